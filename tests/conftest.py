@@ -1,0 +1,61 @@
+"""Helpers for the end-to-end tests: run a script as a user would, make image folders."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from PIL import Image
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+# Distinct colours: a small CNN tells them apart within a few dozen steps.
+COLOURS = {'blue': (30, 60, 220), 'green': (40, 200, 60), 'red': (220, 40, 40),
+           'yellow': (230, 220, 40)}
+
+
+def script_env(**extra):
+  env = dict(os.environ, PJRT_DEVICE='CPU', PYTHONUNBUFFERED='1')
+  env.pop('XLA_USE_BF16', None)
+  env.update(extra)
+  return env
+
+
+def run_script(script, *args, env=None, timeout=900):
+  """Runs one of the repo's scripts in a fresh process; returns the CompletedProcess."""
+  cmd = [sys.executable, str(REPO / script), *map(str, args)]
+  return subprocess.run(cmd, cwd=REPO, env=env or script_env(), capture_output=True, text=True,
+                        timeout=timeout)
+
+
+def read_json(path):
+  with open(path) as f:
+    return json.load(f)
+
+
+def write_image(path, colour, size, rng):
+  pixels = np.clip(np.array(colour) + rng.normal(0, 25, (size, size, 3)), 0, 255)
+  Image.fromarray(pixels.astype(np.uint8)).save(path)
+
+
+def make_image_folder(root, split, per_class, size=32, seed=0, colours=COLOURS):
+  """root/split/CLASS/i.png with per_class noisy images of each class's colour."""
+  rng = np.random.default_rng(seed)
+  for name, colour in colours.items():
+    folder = pathlib.Path(root, split, name)
+    folder.mkdir(parents=True, exist_ok=True)
+    for i in range(per_class):
+      write_image(folder / f'{i}.png', colour, size, rng)
+  return pathlib.Path(root)
+
+
+@pytest.fixture
+def colour_folder(tmp_path):
+  """A learnable ImageNet-style folder: 4 colour classes, 64 train and 5 val images each."""
+  make_image_folder(tmp_path / 'data', 'train', 64, seed=1)
+  make_image_folder(tmp_path / 'data', 'val', 5, seed=2)
+  return tmp_path / 'data'

@@ -1,0 +1,141 @@
+"""train_single_core.py end to end on XLA:CPU, as a user runs it."""
+
+import re
+import shlex
+
+import pytest
+
+from conftest import REPO, make_image_folder, read_json, run_script, script_env, write_image
+
+SCRIPT = 'train_single_core.py'
+TRAIN_LINE = re.compile(r'^\| Training Device=xla:0/0 Epoch=(\d+) Step=(\d+) Loss=([\d.]+) '
+                        r'Rate=[\d.]+ GlobalRate=[\d.]+ Time=\d\d:\d\d:\d\d$', re.M)
+
+
+def readme_command_flags():
+  """The flags of the README's quick-start command 1, so the test runs what users paste."""
+  readme = (REPO / 'README.md').read_text()
+  line = next(l for l in readme.splitlines() if f'{SCRIPT} --fake_data' in l)
+  return shlex.split(line.split(SCRIPT, 1)[1])
+
+
+def losses(stdout):
+  return [float(m.group(3)) for m in TRAIN_LINE.finditer(stdout)]
+
+
+def convolution_types(hlo_dump_dir):
+  """Element types of the convolutions in the HLO graphs that torch_xla dumped."""
+  text = ''.join(p.read_text() for p in hlo_dump_dir.glob('graphs*'))
+  return set(re.findall(r'= (\w+)\[[\d,]*\]\{[\d,]*\} convolution\(', text))
+
+
+def test_readme_quick_start_trains_and_reports(tmp_path):
+  flags = readme_command_flags()
+  assert '--fake_data' in flags
+  result = run_script(SCRIPT, *flags, '--results_json', tmp_path / 'r.json',
+                      env=script_env(XLA_SAVE_TENSORS_FILE=str(tmp_path / 'graphs'),
+                                     XLA_SAVE_TENSORS_FMT='hlo'))
+  assert result.returncode == 0, result.stderr
+  out = result.stdout
+  assert 'Epoch 1 train begin' in out and 'Epoch 1 train end' in out
+  assert re.search(r'^Epoch 1 test end \d\d:\d\d:\d\d, Accuracy=\d+\.\d\d$', out, re.M)
+  assert re.search(r'^Max Accuracy: \d+\.\d\d%$', out, re.M)
+  # Fake labels are constant, so the loss must fall fast.
+  assert losses(out)[-1] < losses(out)[0] / 10
+  results = read_json(tmp_path / 'r.json')
+  assert results['train_steps'] == results['epochs'] * int(flags[flags.index('--num_steps') + 1])
+  assert results['compilations'] > 0 and results['global_rate'] > 0
+  # The control for the bf16 tests: without it, the step is float32.
+  assert convolution_types(tmp_path) == {'f32'}
+  assert not results['bf16']
+
+
+@pytest.mark.parametrize('how', ['--bf16 flag', 'XLA_USE_BF16=1'])
+def test_bf16_trains_in_bf16(tmp_path, how):
+  env = script_env(XLA_SAVE_TENSORS_FILE=str(tmp_path / 'graphs'), XLA_SAVE_TENSORS_FMT='hlo')
+  flags = ['--fake_data', '--model', 'resnet18', '--img_dim', 32, '--batch_size', 16,
+           '--test_set_batch_size', 16, '--num_epochs', 1, '--num_steps', 12, '--log_steps', 1,
+           '--results_json', tmp_path / 'r.json']
+  if how == '--bf16 flag':
+    flags.append('--bf16')
+  else:
+    env['XLA_USE_BF16'] = '1'
+  result = run_script(SCRIPT, *flags, env=env)
+  assert result.returncode == 0, result.stderr
+  assert convolution_types(tmp_path) == {'bf16'}
+  assert read_json(tmp_path / 'r.json')['bf16']
+  trace = losses(result.stdout)
+  assert len(trace) == 12 and trace[-1] < trace[0] / 2
+
+
+def test_learns_counts_every_val_image_once_and_compiles_only_in_epoch_1(tmp_path, colour_folder):
+  # 21 val images with --test_set_batch_size 4: five full batches and one of a single image.
+  # One of them is a red image filed under green, which a model that learned the colours
+  # gets wrong: the exact accuracy is 20/21, and any padding or dropped image changes it.
+  write_image(colour_folder / 'val' / 'green' / 'red_one.png', (220, 40, 40), 32,
+              __import__('numpy').random.default_rng(3))
+  result = run_script(SCRIPT, '--datadir', colour_folder, '--model', 'resnet18', '--img_dim', 32,
+                      '--batch_size', 16, '--test_set_batch_size', 4, '--num_epochs', 3,
+                      '--lr', 0.05, '--num_workers', 2, '--log_steps', 5,
+                      '--target_accuracy', 99, '--results_json', tmp_path / 'r.json')
+  results = read_json(tmp_path / 'r.json')
+  print(result.stdout[-3000:])
+  assert results['eval_samples'] == 21
+  assert results['eval_correct'] == 20
+  assert results['final_accuracy'] == pytest.approx(100 * 20 / 21)
+  assert re.search(r'^Epoch 3 test end \d\d:\d\d:\d\d, Accuracy=95\.24$', result.stdout, re.M)
+  # 256 training images, batch 16: 16 steps an epoch.
+  assert results['train_steps'] == 48
+  # Every graph (train steps, padded eval batches) is compiled in epoch 1, none after.
+  counts = results['compilations_after_epoch']
+  assert len(counts) == 3 and counts[0] == counts[1] == counts[2]
+  # Below --target_accuracy 99: upstream's exit code.
+  assert result.returncode == 21, result.stderr
+  assert 'is below target' in result.stdout
+
+
+def test_corrupt_image_names_the_file(tmp_path):
+  data = make_image_folder(tmp_path / 'data', 'train', 3)
+  make_image_folder(data, 'val', 1)
+  (data / 'train' / 'red' / 'broken.png').write_bytes(b'\x89PNG\r\n\x1a\n not an image')
+  result = run_script(SCRIPT, '--datadir', data, '--model', 'resnet18', '--img_dim', 16,
+                      '--batch_size', 13, '--num_workers', 1, '--num_epochs', 1)
+  assert result.returncode == 2
+  assert 'Traceback' not in result.stderr
+  assert re.search(r'^error: cannot read image \S*train/red/broken\.png', result.stderr, re.M)
+
+
+def _empty_class(tmp_path):
+  data = make_image_folder(tmp_path / 'data', 'train', 2)
+  make_image_folder(data, 'val', 1)
+  (data / 'train' / 'purple').mkdir()
+  (data / 'train' / 'purple' / 'notes.txt').write_text('no images here')
+  return data
+
+
+BAD_INPUTS = {
+    'no data flag': (lambda tmp: [], r'give --datadir DIR .* or --fake_data'),
+    'missing datadir': (lambda tmp: ['--datadir', tmp / 'nowhere'],
+                        r'nowhere/train is not a folder'),
+    'empty datadir': (lambda tmp: ['--datadir', (tmp / 'train').mkdir() or tmp],
+                      r'/train has no class folders'),
+    'class without images': (lambda tmp: ['--datadir', _empty_class(tmp)],
+                             r'class folder \S*train/purple has no images'),
+    'unknown model': (lambda tmp: ['--fake_data', '--model', 'resnet7'],
+                      r'--model=resnet7.* not a torchvision classification model'),
+    'zero batch size': (lambda tmp: ['--fake_data', '--batch_size', 0],
+                        r'--batch_size=0: 0 is not a positive integer'),
+    'zero steps': (lambda tmp: ['--fake_data', '--num_steps', 0],
+                   r'--num_steps=0: 0 is not a positive integer'),
+    'stray argument': (lambda tmp: ['--fake_data', 'resnet18'], r"unexpected arguments \['resnet18'\]"),
+}
+
+
+@pytest.mark.parametrize('case', BAD_INPUTS)
+def test_bad_input_is_one_clear_line_and_exit_2(tmp_path, case):
+  make_args, message = BAD_INPUTS[case]
+  result = run_script(SCRIPT, *make_args(tmp_path), '--img_dim', 16, timeout=120)
+  assert result.returncode == 2, result.stdout + result.stderr
+  assert 'Traceback' not in result.stderr
+  errors = [l for l in result.stderr.splitlines() if l.startswith('error: ')]
+  assert len(errors) == 1 and re.search(message, errors[0]), result.stderr

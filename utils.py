@@ -1,0 +1,228 @@
+"""Helpers shared by the training scripts of this repo.
+
+Only what is the same in every script lives here: flag errors, data checks, fake data,
+batch padding, log lines, TensorBoard and the results file. Nothing here reads FLAGS;
+every value comes in as an argument, so a script copied out with this file beside it
+still works.
+"""
+
+import datetime
+import json
+import os
+import sys
+
+import torch
+import torch_xla.debug.metrics as met
+import torchvision
+from absl import flags
+from PIL import Image
+
+IMG_EXTENSIONS = torchvision.datasets.folder.IMG_EXTENSIONS
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+# Models whose auxiliary heads return a tuple in training mode; the loop wants logits.
+_MODEL_KWARGS = {
+    'googlenet': dict(aux_logits=False, init_weights=True),
+    'inception_v3': dict(aux_logits=False, init_weights=True),
+}
+
+
+class UsageError(Exception):
+  """A mistake the user can fix: the script prints it as one line and exits 2."""
+
+
+def die(message, code=2):
+  print(f'error: {message}', file=sys.stderr, flush=True)
+  sys.exit(code)
+
+
+def parse_flags(argv):
+  """Flags parser for app.run: a bad flag is one line and exit code 2, as argparse does."""
+  try:
+    rest = flags.FLAGS(argv)
+  except flags.Error as e:
+    die(f'{e} (see --helpshort)')
+  if len(rest) > 1:
+    die(f'unexpected arguments {rest[1:]}: every option is a --flag (see --helpshort)')
+  return rest
+
+
+# ---------------------------------------------------------------------------- models
+
+
+def model_names():
+  """Every torchvision classification model, e.g. resnet50, vit_b_16, mobilenet_v3_small."""
+  return torchvision.models.list_models(module=torchvision.models)
+
+
+def create_model(name, num_classes):
+  """A torchvision classifier with fresh weights (nothing is downloaded)."""
+  if name not in model_names():
+    raise UsageError(f'unknown --model {name!r}: use a torchvision classification model '
+                     'such as resnet18, resnet50 or mobilenet_v3_small')
+  return torchvision.models.get_model(
+      name, weights=None, num_classes=num_classes, **_MODEL_KWARGS.get(name, {}))
+
+
+# ------------------------------------------------------------------------------ data
+
+
+class BadImageError(Exception):
+  """An image file that cannot be decoded."""
+
+  def __str__(self):
+    # Raised in a DataLoader worker, the message comes back wrapped in the worker's
+    # traceback, whose last line is the one we wrote.
+    return super().__str__().strip().splitlines()[-1].split('BadImageError: ')[-1]
+
+
+def load_image(path):
+  """ImageFolder's loader, but a corrupt file names itself instead of a PIL traceback."""
+  try:
+    with open(path, 'rb') as f:
+      return Image.open(f).convert('RGB')
+  except OSError as e:  # PIL.UnidentifiedImageError and truncated files are OSErrors.
+    raise BadImageError(f'cannot read image {path} ({e}): replace or remove the file') from None
+
+
+def check_image_folder(root):
+  """Class names of an ImageFolder split (root/CLASS/*.jpg), or a UsageError saying what is wrong."""
+  if not os.path.isdir(root):
+    raise UsageError(f'{root} is not a folder: --datadir needs train/ and val/ with one '
+                     'folder of images per class (DIR/train/CLASS/x.jpg), or use --fake_data')
+  classes = sorted(e.name for e in os.scandir(root) if e.is_dir())
+  if not classes:
+    raise UsageError(f'{root} has no class folders: put the images of each class in '
+                     f'{root}/CLASS_NAME/')
+  for name in classes:
+    with os.scandir(os.path.join(root, name)) as entries:
+      if not any(e.is_file() and e.name.lower().endswith(IMG_EXTENSIONS) for e in entries):
+        raise UsageError(f'class folder {os.path.join(root, name)} has no images '
+                         f'({" ".join(IMG_EXTENSIONS)}): add images or remove the folder')
+  return classes
+
+
+def image_folder(root, img_dim, train):
+  """An ImageFolder split with the usual ImageNet augmentation (train) or centre crop (val)."""
+  T = torchvision.transforms
+  if train:
+    transform = [T.RandomResizedCrop(img_dim), T.RandomHorizontalFlip()]
+  else:
+    # Resize to 256/224 of the crop, as torchvision's references do at 224 px.
+    transform = [T.Resize(img_dim * 256 // 224), T.CenterCrop(img_dim)]
+  transform += [T.ToTensor(), T.Normalize(IMAGENET_MEAN, IMAGENET_STD)]
+  return torchvision.datasets.ImageFolder(root, T.Compose(transform), loader=load_image)
+
+
+class FakeBatches:
+  """The same batch of constant tensors num_batches times: no host work at all, so a run
+  measures the device (as upstream's SampleGenerator does)."""
+
+  def __init__(self, batch_size, img_dim, num_batches):
+    self.batch = (torch.zeros(batch_size, 3, img_dim, img_dim),
+                  torch.zeros(batch_size, dtype=torch.int64))
+    self.num_batches = num_batches
+
+  def __len__(self):
+    return self.num_batches
+
+  def __iter__(self):
+    for _ in range(self.num_batches):
+      yield self.batch
+
+
+class PadCollate:
+  """collate_fn that pads a short batch to batch_size with label -1.
+
+  A partial last batch would compile a second evaluation graph (pytorch/xla#1279);
+  padded, every batch has one shape, and counting only labels >= 0 keeps the padding
+  out of the accuracy.
+  """
+
+  def __init__(self, batch_size):
+    self.batch_size = batch_size
+
+  def __call__(self, samples):
+    images, labels = torch.utils.data.default_collate(samples)
+    missing = self.batch_size - len(labels)
+    if missing > 0:
+      images = torch.cat([images, images.new_zeros((missing,) + images.shape[1:])])
+      labels = torch.cat([labels, labels.new_full((missing,), -1)])
+    return images, labels
+
+
+class CappedLoader:
+  """Yields at most num_batches batches of loader per epoch, on the host.
+
+  Capping before MpDeviceLoader (rather than breaking out of its loop) leaves no
+  background thread behind. An exception in the loader (a corrupt image) would end
+  the device loader's epoch silently early; it is kept here and raised by check().
+  """
+
+  def __init__(self, loader, num_batches):
+    self.loader = loader
+    self.num_batches = min(len(loader), num_batches)
+    self.error = None
+
+  def __len__(self):
+    return self.num_batches
+
+  def __iter__(self):
+    self.error = None
+    try:
+      for index, batch in enumerate(self.loader):
+        if index == self.num_batches:
+          break
+        yield batch
+    except Exception as e:  # Raised in the main thread by check().
+      self.error = e
+
+  def check(self):
+    if self.error is not None:
+      raise self.error
+
+
+# --------------------------------------------------------------------------- logging
+
+
+def now():
+  return datetime.datetime.now().strftime('%H:%M:%S')
+
+
+def training_line(device, ordinal, epoch, step, loss, rate, global_rate):
+  """The per-step line of pytorch/xla's test scripts, which TPU users grep for."""
+  return (f'| Training Device={device}/{ordinal} Epoch={epoch} Step={step} '
+          f'Loss={loss:.5f} Rate={rate:.2f} GlobalRate={global_rate:.2f} Time={now()}')
+
+
+def summary_writer(logdir):
+  """A TensorBoard writer for logdir, or None when no --logdir was given."""
+  if not logdir:
+    return None
+  from torch.utils.tensorboard import SummaryWriter
+  return SummaryWriter(logdir)
+
+
+def write_scalars(writer, step, scalars):
+  if writer is not None:
+    for name, value in scalars.items():
+      writer.add_scalar(name, value, step)
+
+
+def compile_count():
+  """XLA graphs compiled so far by this process (torch_xla's CompileTime metric)."""
+  data = met.metric_data('CompileTime')
+  return data[0] if data else 0
+
+
+def write_results(path, results):
+  """Writes results as JSON, atomically: a reader never sees half a file."""
+  if not path:
+    return
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  tmp = f'{path}.tmp{os.getpid()}'
+  with open(tmp, 'w') as f:
+    json.dump(results, f, indent=2)
+    f.write('\n')
+  os.replace(tmp, path)
