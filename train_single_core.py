@@ -81,8 +81,8 @@ def load_data(cfg):
     raise utils.UsageError(f'{test_dir} and {train_dir} must hold the same class folders')
   train_set = utils.image_folder(train_dir, cfg.img_dim, train=True)
   test_set = utils.image_folder(test_dir, cfg.img_dim, train=False)
-  # One replica of DistributedSampler: the order is a function of (seed, epoch) alone.
-  sampler = torch.utils.data.DistributedSampler(train_set, num_replicas=1, rank=0, seed=cfg.seed)
+  # World size 1: the whole set, in an order that is a function of (seed, epoch) alone.
+  sampler = utils.train_sampler(train_set, rank=0, world_size=1, seed=cfg.seed)
   workers = dict(num_workers=cfg.num_workers)
   if cfg.num_workers:  # torch 2.9 raises on these without workers.
     workers.update(persistent_workers=cfg.persistent_workers, prefetch_factor=cfg.prefetch_factor)
@@ -91,9 +91,11 @@ def load_data(cfg):
   if len(train_loader) == 0:
     raise utils.UsageError(f'{train_dir} has {len(train_set)} images, fewer than one batch: '
                            'lower --batch_size or pass --nodrop_last')
-  test_loader = torch.utils.data.DataLoader(
-      test_set, cfg.test_set_batch_size, collate_fn=utils.PadCollate(cfg.test_set_batch_size),
-      **workers)
+  # Padded to whole batches: a partial last batch would compile another graph.
+  test_set = utils.PaddedSubset(
+      test_set, utils.eval_indices(len(test_set), 0, 1, cfg.test_set_batch_size),
+      blank=torch.zeros(3, cfg.img_dim, cfg.img_dim))
+  test_loader = torch.utils.data.DataLoader(test_set, cfg.test_set_batch_size, **workers)
   return (utils.CappedLoader(train_loader, cap), utils.CappedLoader(test_loader, cap), sampler,
           len(classes))
 

@@ -132,24 +132,65 @@ class FakeBatches:
       yield self.batch
 
 
-class PadCollate:
-  """collate_fn that pads a short batch to batch_size with label -1.
+class PaddedSubset(torch.utils.data.Dataset):
+  """dataset[i] for each i of indices; an index of -1 gives (blank, -1), a padding sample
+  that evaluation does not count (see eval_indices)."""
 
-  A partial last batch would compile a second evaluation graph (pytorch/xla#1279);
-  padded, every batch has one shape, and counting only labels >= 0 keeps the padding
-  out of the accuracy.
+  def __init__(self, dataset, indices, blank):
+    self.dataset, self.indices, self.blank = dataset, indices, blank
+
+  def __len__(self):
+    return len(self.indices)
+
+  def __getitem__(self, i):
+    index = self.indices[i]
+    return (self.blank, -1) if index < 0 else self.dataset[index]
+
+
+# ------------------------------------------------- splitting work across replicas
+
+
+def train_sampler(dataset, rank, world_size, seed):
+  """This replica's share of the training set, reshuffled by set_epoch(epoch).
+
+  drop_last=True: DistributedSampler would otherwise pad the shares to equal length by
+  repeating samples, training some twice an epoch. Dropping the remainder (fewer than
+  world_size samples) gives every replica the same share and no sample to two replicas.
+  The order is a function of (seed, epoch) alone.
   """
+  return torch.utils.data.DistributedSampler(
+      dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=True)
 
-  def __init__(self, batch_size):
-    self.batch_size = batch_size
 
-  def __call__(self, samples):
-    images, labels = torch.utils.data.default_collate(samples)
-    missing = self.batch_size - len(labels)
-    if missing > 0:
-      images = torch.cat([images, images.new_zeros((missing,) + images.shape[1:])])
-      labels = torch.cat([labels, labels.new_full((missing,), -1)])
-    return images, labels
+def train_steps_per_epoch(num_samples, world_size, batch_size):
+  """Steps every replica runs an epoch: whole batches of its equal share."""
+  return num_samples // world_size // batch_size
+
+
+def eval_indices(num_samples, rank, world_size, batch_size):
+  """This replica's evaluation samples, padded with -1 to a whole number of batches.
+
+  Replica r takes samples r, r + world_size, ...: every sample is evaluated exactly
+  once in all. Every replica runs the same number of steps (a replica that stopped
+  early would leave the others waiting in the next collective, pytorch/xla#2749), and
+  every batch has the same shape (one compiled graph); padding has label -1.
+  """
+  share = -(-num_samples // world_size)
+  steps = -(-share // batch_size)
+  indices = list(range(rank, num_samples, world_size))
+  return indices + [-1] * (steps * batch_size - len(indices))
+
+
+def warmup_step_decay(step, steps_per_epoch, warmup_epochs, divide_every_n_epochs, divisor):
+  """Learning-rate factor at a global step: linear warm-up from 0, then divide by divisor
+  every divide_every_n_epochs epochs (upstream's WarmupAndExponentialDecayScheduler).
+
+  A function of the step alone, so a resumed run picks up the exact value.
+  """
+  warmup_steps = warmup_epochs * steps_per_epoch
+  if step < warmup_steps:
+    return (step + 1) / warmup_steps
+  return 1.0 / divisor**(step // steps_per_epoch // divide_every_n_epochs)
 
 
 class CappedLoader:

@@ -3,6 +3,8 @@
 import json
 import os
 import pathlib
+import re
+import shlex
 import subprocess
 import sys
 
@@ -16,6 +18,20 @@ sys.path.insert(0, str(REPO))
 # Distinct colours: a small CNN tells them apart within a few dozen steps.
 COLOURS = {'blue': (30, 60, 220), 'green': (40, 200, 60), 'red': (220, 40, 40),
            'yellow': (230, 220, 40)}
+
+
+TRAIN_LINE = re.compile(r'^\| Training Device=xla:0/0 Epoch=(\d+) Step=(\d+) Loss=([\d.]+) '
+                        r'Rate=[\d.]+ GlobalRate=[\d.]+ Time=\d\d:\d\d:\d\d$', re.M)
+
+
+def losses(stdout):
+  return [float(m.group(3)) for m in TRAIN_LINE.finditer(stdout)]
+
+
+def readme_command_flags():
+  """The flags of the README's quick-start command 1, so tests run what users paste."""
+  readme = (REPO / 'README.md').read_text()
+  return shlex.split(re.search(r'\w+\.py (--fake_data.*)', readme).group(1))
 
 
 def script_env(**extra):

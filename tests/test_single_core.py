@@ -1,35 +1,20 @@
 """train_single_core.py end to end on XLA:CPU, as a user runs it."""
 
 import re
-import shlex
 
 import pytest
 
-from conftest import REPO, make_image_folder, read_json, run_script, script_env, write_image
+from conftest import (losses, make_image_folder, read_json, readme_command_flags, run_script,
+                      script_env, write_image)
 
 SCRIPT = 'train_single_core.py'
-TRAIN_LINE = re.compile(r'^\| Training Device=xla:0/0 Epoch=(\d+) Step=(\d+) Loss=([\d.]+) '
-                        r'Rate=[\d.]+ GlobalRate=[\d.]+ Time=\d\d:\d\d:\d\d$', re.M)
-
-
-def readme_command_flags():
-  """The flags of the README's quick-start command 1, so the test runs what users paste."""
-  readme = (REPO / 'README.md').read_text()
-  line = next(l for l in readme.splitlines() if f'{SCRIPT} --fake_data' in l)
-  return shlex.split(line.split(SCRIPT, 1)[1])
-
-
-def losses(stdout):
-  return [float(m.group(3)) for m in TRAIN_LINE.finditer(stdout)]
-
-
 def convolution_types(hlo_dump_dir):
   """Element types of the convolutions in the HLO graphs that torch_xla dumped."""
   text = ''.join(p.read_text() for p in hlo_dump_dir.glob('graphs*'))
   return set(re.findall(r'= (\w+)\[[\d,]*\]\{[\d,]*\} convolution\(', text))
 
 
-def test_readme_quick_start_trains_and_reports(tmp_path):
+def test_readme_quick_start_flags_train_and_report(tmp_path):
   flags = readme_command_flags()
   assert '--fake_data' in flags
   result = run_script(SCRIPT, *flags, '--results_json', tmp_path / 'r.json',

@@ -1,0 +1,87 @@
+"""train_resnet_mp.py end to end on XLA:CPU: the spawn runs for real, with one replica."""
+
+import re
+
+import numpy as np
+import pytest
+
+from conftest import losses, read_json, readme_command_flags, run_script, write_image
+
+SCRIPT = 'train_resnet_mp.py'
+
+
+def test_readme_quick_start_spawns_trains_and_reports(tmp_path):
+  flags = readme_command_flags()
+  result = run_script(SCRIPT, *flags, '--results_json', tmp_path / 'r.json')
+  assert result.returncode == 0, result.stderr
+  out = result.stdout
+  num_steps = int(flags[flags.index('--num_steps') + 1])
+  batch_size = int(flags[flags.index('--batch_size') + 1])
+  assert re.search(rf'^Epoch 1 Replica Train Samples={num_steps * batch_size} Device=xla:0/0$',
+                   out, re.M)
+  assert re.search(r'^Epoch 1 train end \d\d:\d\d:\d\d, Reduced GlobalRate=\d+\.\d\d$', out, re.M)
+  assert re.search(r'^Epoch 1 test end \d\d:\d\d:\d\d, Accuracy=100\.00$', out, re.M)
+  assert re.search(r'^Max Accuracy: 100\.00%$', out, re.M)
+  assert losses(out)[-1] < losses(out)[0] / 10
+  results = read_json(tmp_path / 'r.json')
+  assert results['world_size'] == 1
+  counts = results['compilations_after_epoch']
+  assert counts[-1] == counts[0]
+
+
+def test_learns_with_warmup_and_decay_and_counts_exactly(tmp_path, colour_folder):
+  # 21 val images, one of them a red image filed under green: exactly 20/21 correct.
+  write_image(colour_folder / 'val' / 'green' / 'red_one.png', (220, 40, 40), 32,
+              np.random.default_rng(3))
+  # Warm-up over a quarter epoch and a division after the second: the learning rate
+  # changes every step, and still nothing is compiled after epoch 1.
+  result = run_script(SCRIPT, '--datadir', colour_folder, '--model', 'resnet18', '--img_dim', 32,
+                      '--batch_size', 16, '--test_set_batch_size', 4, '--num_epochs', 3,
+                      '--lr', 0.03, '--lr_scheduler_type', 'WarmupAndExponentialDecayScheduler',
+                      '--lr_warmup_epochs', 0.25, '--lr_scheduler_divide_every_n_epochs', 2,
+                      '--num_workers', 2, '--persistent_workers', '--log_steps', 5,
+                      '--results_json', tmp_path / 'r.json')
+  assert result.returncode == 0, result.stderr
+  results = read_json(tmp_path / 'r.json')
+  assert (results['eval_correct'], results['eval_samples']) == (20, 21)
+  assert re.search(r'^Epoch 3 test end \d\d:\d\d:\d\d, Accuracy=95\.24$', result.stdout, re.M)
+  assert results['train_steps'] == 48
+  assert re.findall(r'Replica Train Samples=(\d+)', result.stdout) == ['256'] * 3
+  counts = results['compilations_after_epoch']
+  assert counts[0] == counts[1] == counts[2]
+
+
+def test_num_cores_1_runs_in_one_process(tmp_path):
+  result = run_script(SCRIPT, '--fake_data', '--num_cores', 1, '--model', 'resnet18',
+                      '--img_dim', 16, '--batch_size', 4, '--test_set_batch_size', 4,
+                      '--num_epochs', 1, '--num_steps', 3, '--log_steps', 1,
+                      '--results_json', tmp_path / 'r.json')
+  assert result.returncode == 0, result.stderr
+  assert len(losses(result.stdout)) == 3
+  assert read_json(tmp_path / 'r.json')['train_steps'] == 3
+
+
+BAD_INPUTS = {
+    'missing datadir': (['--datadir', 'nowhere'], r'nowhere/train is not a folder'),
+    'unknown model': (['--fake_data', '--model', 'resnet7'], r'not a torchvision classification'),
+    'num_cores other than 1': (['--fake_data', '--num_cores', 8], r'--num_cores=8'),
+    'zero batch size': (['--fake_data', '--batch_size', 0], r'--batch_size=0'),
+}
+
+
+@pytest.mark.parametrize('case', BAD_INPUTS)
+def test_bad_input_is_one_clear_line_and_exit_2(case):
+  args, message = BAD_INPUTS[case]
+  result = run_script(SCRIPT, *args, timeout=120)
+  assert result.returncode == 2, result.stdout + result.stderr
+  assert 'Traceback' not in result.stderr
+  errors = [l for l in result.stderr.splitlines() if l.startswith('error: ')]
+  assert len(errors) == 1 and re.search(message, errors[0]), result.stderr
+
+
+def test_too_little_data_for_a_batch_is_a_clear_error(tmp_path, colour_folder):
+  result = run_script(SCRIPT, '--datadir', colour_folder, '--model', 'resnet18',
+                      '--batch_size', 300, '--num_workers', 0, timeout=300)
+  assert result.returncode == 2, result.stdout + result.stderr
+  assert 'Traceback' not in result.stderr
+  assert re.search(r'^error: 256 training images make no batch of 300', result.stderr, re.M)
