@@ -178,8 +178,8 @@ def train(cfg):
         step, len(train_loader), cfg.lr_warmup_epochs, cfg.lr_scheduler_divide_every_n_epochs,
         cfg.lr_scheduler_divisor))
   writer = utils.summary_writer(cfg.logdir) if xm.is_master_ordinal() else None
-  if cfg.profile:
-    xp.start_server(cfg.profiler_port + xr.local_ordinal())
+  # The server lives as long as this reference: keep it until training ends.
+  profiler = xp.start_server(cfg.profiler_port + xr.local_ordinal()) if cfg.profile else None
   prefetch = dict(loader_prefetch_size=cfg.loader_prefetch_size,
                   device_prefetch_size=cfg.device_prefetch_size,
                   host_to_device_transfer_threads=cfg.host_to_device_transfer_threads)
@@ -223,6 +223,7 @@ def train(cfg):
 
   if writer is not None:
     writer.close()
+  del profiler
   results['global_rate'] = results['train_samples'] / train_seconds
   results['compilations'] = utils.compile_count()
   xm.master_print(f'Max Accuracy: {results["max_accuracy"]:.2f}%')

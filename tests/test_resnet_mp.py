@@ -1,11 +1,16 @@
 """train_resnet_mp.py end to end on XLA:CPU: the spawn runs for real, with one replica."""
 
+import os
 import re
+import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
 
-from conftest import losses, read_json, readme_command_flags, run_script, write_image
+from conftest import (REPO, losses, read_json, readme_command_flags, run_script, script_env,
+                      write_image)
 
 SCRIPT = 'train_resnet_mp.py'
 
@@ -51,14 +56,47 @@ def test_learns_with_warmup_and_decay_and_counts_exactly(tmp_path, colour_folder
   assert counts[0] == counts[1] == counts[2]
 
 
-def test_num_cores_1_runs_in_one_process(tmp_path):
-  result = run_script(SCRIPT, '--fake_data', '--num_cores', 1, '--model', 'resnet18',
-                      '--img_dim', 16, '--batch_size', 4, '--test_set_batch_size', 4,
-                      '--num_epochs', 1, '--num_steps', 3, '--log_steps', 1,
-                      '--results_json', tmp_path / 'r.json')
+TINY_RUN = ['--fake_data', '--model', 'resnet18', '--img_dim', 16, '--batch_size', 4,
+            '--test_set_batch_size', 4, '--num_epochs', 1, '--log_steps', 1]
+
+
+@pytest.mark.parametrize('launcher', ['--num_cores 1', 'torchrun'])
+def test_runs_in_one_process_and_under_torchrun(tmp_path, launcher):
+  flags = TINY_RUN + ['--num_steps', 3, '--results_json', tmp_path / 'r.json']
+  if launcher == 'torchrun':
+    cmd = [sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node=1', SCRIPT, *flags]
+    result = subprocess.run(list(map(str, cmd)), cwd=REPO, env=script_env(), capture_output=True,
+                            text=True, timeout=300)
+  else:
+    result = run_script(SCRIPT, '--num_cores', 1, *flags)
   assert result.returncode == 0, result.stderr
   assert len(losses(result.stdout)) == 3
   assert read_json(tmp_path / 'r.json')['train_steps'] == 3
+
+
+def test_profile_serves_traces_with_named_steps(tmp_path):
+  port = 9500 + os.getpid() % 400
+  cmd = [sys.executable, SCRIPT, *TINY_RUN, '--num_steps', 100000, '--log_steps', 20,
+         '--profile', '--profiler_port', port]
+  log = tmp_path / 'train.log'
+  with open(log, 'w') as out:
+    run = subprocess.Popen(list(map(str, cmd)), cwd=REPO, env=script_env(), stdout=out,
+                           stderr=subprocess.STDOUT)
+  try:
+    deadline = time.time() + 240
+    while 'Step=20 ' not in log.read_text():  # Past compilation: steps are running.
+      assert run.poll() is None and time.time() < deadline, log.read_text()[-3000:]
+      time.sleep(0.5)
+    capture = subprocess.run(
+        [sys.executable, '-c', 'import sys, torch_xla.debug.profiler as xp; '
+         'xp.trace(sys.argv[1], sys.argv[2], duration_ms=2000)', f'localhost:{port}',
+         str(tmp_path / 'trace')], env=script_env(), capture_output=True, text=True, timeout=120)
+  finally:
+    run.kill()
+    run.wait()
+  assert capture.returncode == 0, capture.stderr[-2000:]
+  traces = list(tmp_path.glob('trace/plugins/profile/*/*.xplane.pb'))
+  assert len(traces) == 1 and b'train_step' in traces[0].read_bytes()
 
 
 BAD_INPUTS = {
