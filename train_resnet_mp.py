@@ -236,7 +236,7 @@ def _mp_fn(index, flag_values):
   cfg = SimpleNamespace(**flag_values)
   try:
     results = train(cfg)
-  except (utils.UsageError, utils.BadImageError) as e:
+  except (utils.UsageError, utils.BadDataError) as e:
     utils.die(e)
   if xm.is_master_ordinal():
     utils.write_results(cfg.results_json, results)

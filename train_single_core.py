@@ -209,7 +209,7 @@ def main(argv):
   cfg = SimpleNamespace(**FLAGS.flag_values_dict())
   try:
     results = train(cfg)
-  except (utils.UsageError, utils.BadImageError) as e:
+  except (utils.UsageError, utils.BadDataError) as e:
     utils.die(e)
   utils.write_results(cfg.results_json, results)
   if results['final_accuracy'] < cfg.target_accuracy:

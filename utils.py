@@ -9,10 +9,10 @@ still works.
 import datetime
 import json
 import os
+import random
 import sys
 
 import torch
-import torch_xla.debug.metrics as met
 import torchvision
 from absl import flags
 from PIL import Image
@@ -68,13 +68,13 @@ def create_model(name, num_classes):
 # ------------------------------------------------------------------------------ data
 
 
-class BadImageError(Exception):
-  """An image file that cannot be decoded."""
+class BadDataError(Exception):
+  """An image file, shard or sample that cannot be read."""
 
   def __str__(self):
     # Raised in a DataLoader worker, the message comes back wrapped in the worker's
     # traceback, whose last line is the one we wrote.
-    return super().__str__().strip().splitlines()[-1].split('BadImageError: ')[-1]
+    return super().__str__().strip().splitlines()[-1].split('BadDataError: ')[-1]
 
 
 def load_image(path):
@@ -83,7 +83,7 @@ def load_image(path):
     with open(path, 'rb') as f:
       return Image.open(f).convert('RGB')
   except OSError as e:  # PIL.UnidentifiedImageError and truncated files are OSErrors.
-    raise BadImageError(f'cannot read image {path} ({e}): replace or remove the file') from None
+    raise BadDataError(f'cannot read image {path} ({e}): replace or remove the file') from None
 
 
 def check_image_folder(root):
@@ -181,6 +181,19 @@ def eval_indices(num_samples, rank, world_size, batch_size):
   return indices + [-1] * (steps * batch_size - len(indices))
 
 
+def shards_for(urls, rank, world_size, worker, num_workers, seed, epoch):
+  """The shards one loader worker of one replica reads in an epoch.
+
+  The list is shuffled the same way on every replica (from seed and epoch), then dealt
+  out: replica r takes every world_size-th shard from r, and its worker w every
+  num_workers-th of those. Every shard is read by exactly one (replica, worker) per
+  epoch, and the order differs every epoch. Needs len(urls) >= world_size * num_workers.
+  """
+  order = list(urls)
+  random.Random(f'{seed}/{epoch}').shuffle(order)
+  return order[rank::world_size][worker::num_workers]
+
+
 def warmup_step_decay(step, steps_per_epoch, warmup_epochs, divide_every_n_epochs, divisor):
   """Learning-rate factor at a global step: linear warm-up from 0, then divide by divisor
   every divide_every_n_epochs epochs (upstream's WarmupAndExponentialDecayScheduler).
@@ -203,7 +216,10 @@ class CappedLoader:
 
   def __init__(self, loader, num_batches):
     self.loader = loader
-    self.num_batches = min(len(loader), num_batches)
+    try:
+      self.num_batches = min(len(loader), num_batches)
+    except TypeError:  # An endless stream: the cap is the epoch.
+      self.num_batches = num_batches
     self.error = None
 
   def __len__(self):
@@ -253,8 +269,21 @@ def write_scalars(writer, step, scalars):
 
 def compile_count():
   """XLA graphs compiled so far by this process (torch_xla's CompileTime metric)."""
+  import torch_xla.debug.metrics as met  # Here, so that scripts without a device skip it.
   data = met.metric_data('CompileTime')
   return data[0] if data else 0
+
+
+def save_to_url(obj, url):
+  """torch.save to a local path or any fsspec URL (gs://...), atomically: written under a
+  temporary name and moved, so a reader never sees half a file."""
+  import fsspec
+  fs, path = fsspec.core.url_to_fs(url)
+  fs.makedirs(os.path.dirname(path) or '.', exist_ok=True)
+  tmp = f'{path}.tmp{os.getpid()}'
+  with fs.open(tmp, 'wb') as f:
+    torch.save(obj, f)
+  fs.mv(tmp, path)
 
 
 def write_results(path, results):

@@ -75,3 +75,32 @@ def colour_folder(tmp_path):
   make_image_folder(tmp_path / 'data', 'train', 64, seed=1)
   make_image_folder(tmp_path / 'data', 'val', 5, seed=2)
   return tmp_path / 'data'
+
+
+def make_cifar_python(folder, per_batch, test_count, seed=0, colours=COLOURS):
+  """A folder in the exact layout of CIFAR-10's python release (cifar-10-batches-py), with
+  learnable colour classes: data_batch_1..5 and test_batch hold {b'data': N x 3072 uint8,
+  channel planes first, b'labels': [...]}, batches.meta holds b'label_names'."""
+  import pickle
+  rng = np.random.default_rng(seed)
+  folder = pathlib.Path(folder)
+  folder.mkdir(parents=True, exist_ok=True)
+  names = list(colours)
+
+  def batch(n, label_name):
+    labels = rng.integers(0, len(names), n)
+    hwc = np.array([list(colours[names[l]]) for l in labels], float)[:, None, None, :]
+    pixels = np.clip(hwc + rng.normal(0, 25, (n, 32, 32, 3)), 0, 255).astype(np.uint8)
+    return {b'batch_label': label_name.encode(), b'labels': labels.tolist(),
+            b'data': pixels.transpose(0, 3, 1, 2).reshape(n, 3072),
+            b'filenames': [f'{i}.png'.encode() for i in range(n)]}
+
+  for i in range(1, 6):
+    with open(folder / f'data_batch_{i}', 'wb') as f:
+      pickle.dump(batch(per_batch, f'training batch {i} of 5'), f)
+  with open(folder / 'test_batch', 'wb') as f:
+    pickle.dump(batch(test_count, 'testing batch 1 of 1'), f)
+  with open(folder / 'batches.meta', 'wb') as f:
+    pickle.dump({b'label_names': [n.encode() for n in names], b'num_vis': 3072,
+                 b'num_cases_per_batch': per_batch}, f)
+  return folder

@@ -1,0 +1,273 @@
+"""make_cifar_shards.py and train_wds_cifar.py: shards from the CIFAR-10 python layout,
+streamed from local disk and over http, split across replicas and loader workers."""
+
+import functools
+import http.server
+import io
+import itertools
+import pickle
+import re
+import tarfile
+import threading
+
+import fsspec
+import numpy as np
+import pytest
+import torch
+
+import make_cifar_shards
+import train_wds_cifar as wds_cifar
+import utils
+from conftest import COLOURS, make_cifar_python, read_json, run_script
+
+
+@pytest.fixture(scope='module')
+def shards(tmp_path_factory):
+  """CIFAR-format colour data (5 x 96 train, 200 test) written as shards of 50 samples."""
+  root = tmp_path_factory.mktemp('cifar')
+  make_cifar_python(root / 'cifar-10-batches-py', per_batch=96, test_count=200)
+  result = run_script('make_cifar_shards.py', '--cifar_dir', root / 'cifar-10-batches-py',
+                      '--output', root / 'shards' / 'cifar', '--samples_per_shard', 50)
+  assert result.returncode == 0, result.stderr
+  return root
+
+
+def cifar_split(folder, name):
+  with open(folder / name, 'rb') as f:
+    batch = pickle.load(f, encoding='bytes')
+  images = np.asarray(batch[b'data'], np.uint8).reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1)
+  return images, np.asarray(batch[b'labels'])
+
+
+def never(message):
+  raise AssertionError(message)
+
+
+def test_writer_stores_every_image_and_label_exactly(shards):
+  train = sorted((shards / 'shards').glob('cifar-train-*.tar'))
+  test = sorted((shards / 'shards').glob('cifar-test-*.tar'))
+  assert [p.name for p in train] == [f'cifar-train-{i:06d}.tar' for i in range(10)]
+  assert [p.name for p in test] == [f'cifar-test-{i:06d}.tar' for i in range(4)]
+  # Test shards keep the file's order; every image is byte-identical.
+  images, labels = cifar_split(shards / 'cifar-10-batches-py', 'test_batch')
+  read = list(wds_cifar.read_samples([str(p) for p in test], never))
+  assert len(read) == 200
+  assert all((a == b).all() and l == m for (a, l), b, m in zip(read, images, labels))
+  # Training shards hold all 480 training samples once, shuffled across the 5 batches.
+  parts = [cifar_split(shards / 'cifar-10-batches-py', f'data_batch_{i}') for i in range(1, 6)]
+  expected = sorted((img.tobytes(), int(l)) for part in parts for img, l in zip(*part))
+  read = list(wds_cifar.read_samples([str(p) for p in train], never))
+  assert sorted((img.tobytes(), l) for img, l in read) == expected
+  first_labels = [l for _, l in read[:50]]
+  assert len(set(first_labels)) == len(COLOURS)  # Shuffled: every shard holds every class.
+
+
+def test_writer_repeat_and_fsspec_output(shards):
+  images, labels = cifar_split(shards / 'cifar-10-batches-py', 'data_batch_1')
+  order = list(range(len(labels))) * 2
+  urls = make_cifar_shards.write_shards(images, labels, order, 'memory://out/c-train-%06d.tar', 64)
+  assert urls == [f'memory://out/c-train-{i:06d}.tar' for i in range(3)]
+  assert not fsspec.filesystem('memory').glob('/out/*.tmp')
+  read = list(wds_cifar.read_samples(urls, never))
+  assert len(read) == 192 and [l for _, l in read] == list(labels) * 2
+
+
+@pytest.mark.parametrize('num_shards', [32, 33, 64, 100, 257])
+def test_every_shard_goes_to_one_replica_and_worker_per_epoch(num_shards):
+  urls = [f's{i}' for i in range(num_shards)]
+  for world_size, workers in itertools.product([1, 2, 3, 4, 8, 32], [0, 1, 2, 4]):
+    feeders = max(1, workers)
+    if num_shards < world_size * feeders:
+      continue  # Refused at start (tested below).
+    for epoch in (1, 2):
+      got = [utils.shards_for(urls, r, world_size, w, feeders, seed=7, epoch=epoch)
+             for r in range(world_size) for w in range(feeders)]
+      flat = [s for part in got for s in part]
+      assert sorted(flat) == sorted(urls)
+      assert min(map(len, got)) >= 1
+    one = utils.shards_for(urls, 0, world_size, 0, feeders, seed=7, epoch=1)
+    assert one == utils.shards_for(urls, 0, world_size, 0, feeders, seed=7, epoch=1)
+  orders = {tuple(utils.shards_for(urls, 0, 1, 0, 1, seed=7, epoch=e)) for e in range(1, 4)}
+  assert len(orders) == 3  # A new order every epoch.
+
+
+def test_test_samples_are_split_once_across_replicas(shards):
+  test = [str(p) for p in sorted((shards / 'shards').glob('cifar-test-*.tar'))]
+  for world_size in [1, 2, 3, 4, 8, 32]:
+    parts = [wds_cifar.load_test_share(test, r, world_size, strict=True) for r in range(world_size)]
+    assert sum(len(labels) for _, labels in parts) == 200
+    keys = sorted(img.numpy().tobytes() for images, _ in parts for img in images)
+    assert len(set(keys)) == 200
+
+
+def take_batches(dataset, num_workers, steps):
+  loader = wds_cifar.CountedBatches(torch.utils.data.DataLoader(dataset, batch_size=None,
+                                                                num_workers=num_workers))
+  capped = utils.CappedLoader(loader, steps)
+  batches = list(capped)
+  capped.check()
+  return batches, loader
+
+
+@pytest.mark.parametrize('world_size,num_workers', [(1, 0), (2, 2), (3, 1), (4, 2)])
+def test_every_replica_runs_the_same_steps_and_refills_when_short(shards, world_size, num_workers):
+  train = [str(p) for p in sorted((shards / 'shards').glob('cifar-train-*.tar'))]
+  batch_size = 16
+  steps = 480 // (batch_size * world_size)
+  seen, repeated = [], 0
+  for rank in range(world_size):
+    dataset = wds_cifar.TrainShards(train, rank, world_size, batch_size, shuffle_buffer=100,
+                                    seed=3, strict=True)
+    dataset.epoch = 1
+    batches, loader = take_batches(dataset, num_workers, steps)
+    assert len(batches) == steps
+    assert all(images.shape == (batch_size, 3, 32, 32) and images.dtype == torch.uint8
+               for images, _ in batches)
+    seen += [img.numpy().tobytes() for images, _ in batches for img in images]
+    repeated += loader.repeated
+  # Shards of 50 do not split 480 samples evenly: short replicas read some samples twice
+  # (and say so) rather than run fewer steps; crops make repeated samples differ.
+  assert len(seen) == steps * batch_size * world_size
+  if world_size == 1:
+    assert repeated == 0  # One replica holds all 480 samples: 30 whole batches, no refill.
+  if (world_size, num_workers) == (3, 1):
+    assert repeated > 0  # 10 shards for 3 replicas: 4, 3, 3 shards of 50 for 160 samples each.
+
+
+def test_same_seed_and_epoch_give_the_same_batches(shards):
+  train = [str(p) for p in sorted((shards / 'shards').glob('cifar-train-*.tar'))]
+  def epoch_batches(epoch):
+    dataset = wds_cifar.TrainShards(train, 0, 2, 16, shuffle_buffer=64, seed=5, strict=True)
+    dataset.epoch = epoch
+    return [b for b, _ in take_batches(dataset, 2, 10)[0]]
+  first = epoch_batches(1)
+  assert all(torch.equal(a, b) for a, b in zip(first, epoch_batches(1)))
+  assert not all(torch.equal(a, b) for a, b in zip(first, epoch_batches(2)))
+
+
+def truncated_copy(src, dst):
+  data = src.read_bytes()
+  dst.write_bytes(data[:len(data) // 2 + 100])
+  return str(dst)
+
+
+def test_truncated_shard_is_skipped_with_a_warning_or_fatal(shards, tmp_path, capsys):
+  test = [str(p) for p in sorted((shards / 'shards').glob('cifar-test-*.tar'))]
+  bad = truncated_copy(shards / 'shards' / 'cifar-test-000001.tar', tmp_path / 'bad.tar')
+  counter = [0]
+  read = list(wds_cifar.read_samples([test[0], bad, test[2]],
+                                     wds_cifar.bad_data_handler(False, counter)))
+  assert counter == [1]
+  assert 100 < len(read) < 150  # The good shards and the readable start of the bad one.
+  assert re.search(r'^warning: shard \S*bad\.tar cannot be read to the end', capsys.readouterr().err,
+                   re.M)
+  with pytest.raises(utils.BadDataError, match=r'bad\.tar cannot be read.*--fail_on_bad_data'):
+    list(wds_cifar.read_samples([bad], wds_cifar.bad_data_handler(True, [0])))
+
+
+def test_sample_without_label_is_skipped(tmp_path):
+  path = tmp_path / 'odd.tar'
+  with tarfile.open(path, 'w') as tar:
+    for name, data in [('a.rgb', bytes(3072)), ('a.cls', b'1'), ('b.rgb', bytes(3072)),
+                       ('c.rgb', bytes(5)), ('c.cls', b'2')]:
+      info = tarfile.TarInfo(name)
+      info.size = len(data)
+      tar.addfile(info, io.BytesIO(data))
+  counter = [0]
+  read = list(wds_cifar.read_samples([str(path)], wds_cifar.bad_data_handler(False, counter)))
+  assert [label for _, label in read] == [1] and counter == [2]
+
+
+class QuietHandler(http.server.SimpleHTTPRequestHandler):
+
+  def log_message(self, *args):
+    pass
+
+
+class QuietServer(http.server.ThreadingHTTPServer):
+
+  def handle_error(self, request, client_address):
+    pass  # A reader that stops early closes its connection mid-file: not an error here.
+
+
+@pytest.fixture
+def http_shards(shards):
+  server = QuietServer(
+      ('127.0.0.1', 0), functools.partial(QuietHandler, directory=str(shards / 'shards')))
+  thread = threading.Thread(target=server.serve_forever, daemon=True)
+  thread.start()
+  yield f'http://127.0.0.1:{server.server_port}'
+  server.shutdown()
+
+
+def test_reads_shards_over_http(http_shards, shards):
+  urls = wds_cifar.expand_urls(http_shards + '/cifar-test-{000000..000003}.tar')
+  assert wds_cifar.missing_shards(urls) == []
+  assert wds_cifar.missing_shards([http_shards + '/nope.tar']) == [http_shards + '/nope.tar']
+  local = list(wds_cifar.read_samples(
+      [str(p) for p in sorted((shards / 'shards').glob('cifar-test-*.tar'))], never))
+  remote = list(wds_cifar.read_samples(urls, never))
+  assert len(remote) == 200
+  assert all((a == b).all() and l == m for (a, l), (b, m) in zip(local, remote))
+
+
+def test_trains_over_http_to_high_accuracy(http_shards, tmp_path):
+  result = run_script(
+      'train_wds_cifar.py', '--wds_traindir', http_shards + '/cifar-train-{000000..000009}.tar',
+      '--trainsize', 480, '--wds_testdir', http_shards + '/cifar-test-{000000..000003}.tar',
+      '--testsize', 200, '--batch_size', 16, '--test_set_batch_size', 64, '--num_epochs', 3,
+      '--lr', 0.05, '--num_workers', 2, '--shuffle_buffer', 100, '--log_steps', 10,
+      '--ckpt_dir', tmp_path / 'ckpt', '--results_json', tmp_path / 'r.json')
+  assert result.returncode == 0, result.stderr[-3000:]
+  results = read_json(tmp_path / 'r.json')
+  print(result.stdout)
+  assert results['max_accuracy'] >= 90
+  assert results['eval_samples'] == 200  # 200 test samples in batches of 64: padded, counted once.
+  assert results['train_steps'] == 3 * 30
+  assert re.findall(r'Replica Train Samples=(\d+)', result.stdout) == ['480'] * 3
+  assert re.search(r'^Epoch 3 train end .*, Reduced GlobalRate=\d+\.\d\d$', result.stdout, re.M)
+  assert re.search(r'^Total train time: [\d.]+ s$', result.stdout, re.M)
+  counts = results['compilations_after_epoch']
+  assert counts[0] == counts[1] == counts[2]
+  assert re.search(r'^Saved checkpoint \S+best\.pt$', result.stdout, re.M)
+  best = torch.load(tmp_path / 'ckpt' / 'best.pt', weights_only=True)
+  assert best['accuracy'] == results['max_accuracy']
+
+
+def test_bad_test_shard_is_fatal_with_the_flag(shards, tmp_path):
+  bad = truncated_copy(shards / 'shards' / 'cifar-test-000000.tar', tmp_path / 'cifar-test-000000.tar')
+  result = run_script('train_wds_cifar.py', '--wds_traindir',
+                      str(shards / 'shards' / 'cifar-train-{000000..000009}.tar'),
+                      '--trainsize', 480, '--wds_testdir', bad, '--testsize', 50,
+                      '--fail_on_bad_data', '--num_workers', 0, timeout=300)
+  assert result.returncode == 2, result.stdout + result.stderr
+  assert 'Traceback' not in result.stderr
+  assert re.search(r'^error: shard \S+cifar-test-000000\.tar cannot be read to the end',
+                   result.stderr, re.M)
+
+
+BAD_INPUTS = {
+    'no shard matches': (lambda s: ['--wds_traindir', s / 'nowhere-{000..009}.tar'],
+                         r'--wds_traindir: no shard found at \S+nowhere-\{000\.\.009\}\.tar'),
+    'too few shards for the workers': (lambda s: ['--num_workers', 16],
+                                       r'10 training shards cannot feed 1 replicas x 16 loader '
+                                       r'workers'),
+    'not a resnet': (lambda s: ['--model', 'vgg11'], r'--model=vgg11.*not a torchvision ResNet'),
+    'missing trainsize': (lambda s: ['--trainsize', None], r'--trainsize must have a value'),
+}
+
+
+@pytest.mark.parametrize('case', BAD_INPUTS)
+def test_bad_input_is_one_clear_line_and_exit_2(shards, case):
+  make_args, message = BAD_INPUTS[case]
+  args = {'--wds_traindir': str(shards / 'shards' / 'cifar-train-{000000..000009}.tar'),
+          '--trainsize': 480, '--wds_testdir': str(shards / 'shards' / 'cifar-test-{000000..000003}.tar'),
+          '--testsize': 200}
+  extra = make_args(shards)
+  args.update(dict(zip(extra[::2], extra[1::2])))
+  flat = [str(x) for k, v in args.items() if v is not None for x in (k, v)]
+  result = run_script('train_wds_cifar.py', *flat, timeout=300)
+  assert result.returncode == 2, result.stdout + result.stderr
+  assert 'Traceback' not in result.stderr
+  errors = [l for l in result.stderr.splitlines() if l.startswith('error: ')]
+  assert len(errors) == 1 and re.search(message, errors[0]), result.stderr
