@@ -36,7 +36,6 @@ flags.DEFINE_integer('samples_per_shard', 1000, 'Samples in each shard (the last
 flags.DEFINE_integer('repeat', 1, 'Write the training set this many times, each reshuffled '
                      '(the Cloud TPU tutorial made 1.28M samples with 25).', lower_bound=1)
 flags.DEFINE_integer('shuffle_seed', 0, 'Seed of the training-set shuffle.')
-flags.mark_flag_as_required('output')
 
 IMAGE_SHAPE = (32, 32, 3)
 TRAIN_BATCHES = [f'data_batch_{i}' for i in range(1, 6)]
@@ -125,6 +124,8 @@ def main(argv):
   del argv
   if (FLAGS.cifar_dir is None) == (FLAGS.image_folder is None):
     utils.die('give one of --cifar_dir and --image_folder')
+  if not FLAGS.output:
+    utils.die('give --output PREFIX (a local path or URL such as gs://bucket/cifar10/cifar)')
   try:
     if FLAGS.cifar_dir:
       train_images, train_labels, test_images, test_labels, classes = read_cifar_python(

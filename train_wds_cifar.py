@@ -85,11 +85,11 @@ flags.DEFINE_bool('profile', False, 'Start the profiler server so TensorBoard ca
 flags.DEFINE_integer('profiler_port', 9012, 'Profiler server port of the first local replica; '
                      'replica i of a host listens on port + i.')
 flags.DEFINE_string('results_json', None, 'Write accuracy, rates and compile counts here at exit.')
-flags.mark_flags_as_required(['wds_traindir', 'wds_testdir', 'trainsize', 'testsize'])
 flags.register_validator('model', lambda name: name.startswith(('resnet', 'resnext', 'wide_resnet'))
                          and name in utils.model_names(),
                          'is not a torchvision ResNet (resnet18, resnet50, resnext50_32x4d, ...)')
 
+REQUIRED_FLAGS = ('wds_traindir', 'trainsize', 'wds_testdir', 'testsize')
 EXIT_BELOW_TARGET = 21  # upstream's code for a run below --target_accuracy
 CIFAR_MEAN = (0.4914, 0.4822, 0.4465)
 CIFAR_STD = (0.2470, 0.2435, 0.2616)
@@ -474,6 +474,9 @@ def _mp_fn(index, flag_values):
 
 def main(argv):
   del argv
+  missing = [f'--{name}' for name in REQUIRED_FLAGS if FLAGS[name].value is None]
+  if missing:
+    utils.die(f'{" ".join(missing)} must be given (see --helpshort)')
   if FLAGS.bf16:
     os.environ['XLA_USE_BF16'] = '1'  # Inherited by the spawned replicas.
   # Check the shards here, once, before any replica starts: bad input is one line, not N.

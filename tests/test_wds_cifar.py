@@ -253,7 +253,7 @@ BAD_INPUTS = {
                                        r'10 training shards cannot feed 1 replicas x 16 loader '
                                        r'workers'),
     'not a resnet': (lambda s: ['--model', 'vgg11'], r'--model=vgg11.*not a torchvision ResNet'),
-    'missing trainsize': (lambda s: ['--trainsize', None], r'--trainsize must have a value'),
+    'missing trainsize': (lambda s: ['--trainsize', None], r'--trainsize must be given'),
 }
 
 
