@@ -7,6 +7,7 @@ still works.
 """
 
 import datetime
+import itertools
 import json
 import os
 import random
@@ -228,10 +229,9 @@ class CappedLoader:
   def __iter__(self):
     self.error = None
     try:
-      for index, batch in enumerate(self.loader):
-        if index == self.num_batches:
-          break
-        yield batch
+      # islice stops at the cap without asking for one more batch, which would read (and
+      # count) data the epoch does not use.
+      yield from itertools.islice(self.loader, self.num_batches)
     except Exception as e:  # Raised in the main thread by check().
       self.error = e
 

@@ -2,6 +2,7 @@
 
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -80,8 +81,9 @@ def test_profile_serves_traces_with_named_steps(tmp_path):
          '--profile', '--profiler_port', port]
   log = tmp_path / 'train.log'
   with open(log, 'w') as out:
+    # A session of its own: the replica is a child process, and both must go at the end.
     run = subprocess.Popen(list(map(str, cmd)), cwd=REPO, env=script_env(), stdout=out,
-                           stderr=subprocess.STDOUT)
+                           stderr=subprocess.STDOUT, start_new_session=True)
   try:
     deadline = time.time() + 240
     while 'Step=20 ' not in log.read_text():  # Past compilation: steps are running.
@@ -92,7 +94,7 @@ def test_profile_serves_traces_with_named_steps(tmp_path):
          'xp.trace(sys.argv[1], sys.argv[2], duration_ms=2000)', f'localhost:{port}',
          str(tmp_path / 'trace')], env=script_env(), capture_output=True, text=True, timeout=120)
   finally:
-    run.kill()
+    os.killpg(run.pid, signal.SIGKILL)
     run.wait()
   assert capture.returncode == 0, capture.stderr[-2000:]
   traces = list(tmp_path.glob('trace/plugins/profile/*/*.xplane.pb'))
