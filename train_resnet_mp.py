@@ -122,17 +122,9 @@ def train_step(model, optimizer, scheduler, images, labels):
   return loss
 
 
-def _log_step(device, epoch, step, global_step, loss, tracker, lr, writer):
-  # Runs after the step's graph has executed, so reading the loss costs no extra sync.
-  loss, rate = loss.item(), tracker.rate()
-  print(utils.training_line(device, xr.global_ordinal(), epoch, step, loss, rate,
-                            tracker.global_rate()), flush=True)
-  utils.write_scalars(writer, global_step, {'Loss/train': loss, 'Rate/train': rate, 'LR': lr})
-
-
 def train_one_epoch(model, optimizer, scheduler, loader, epoch, first_step, cfg, writer):
   """Trains one epoch; returns the number of steps run."""
-  device = torch_xla.device()
+  device, ordinal = torch_xla.device(), xr.global_ordinal()
   tracker = xm.RateTracker()
   model.train()
   steps = 0
@@ -142,8 +134,8 @@ def train_one_epoch(model, optimizer, scheduler, loader, epoch, first_step, cfg,
       tracker.add(cfg.batch_size)
       if step % cfg.log_steps == 0:
         lr = optimizer.param_groups[0]['lr']
-        xm.add_step_closure(_log_step, args=(device, epoch, step, first_step + step, loss,
-                                             tracker, lr, writer))
+        xm.add_step_closure(utils.log_training_step, args=(
+            device, ordinal, epoch, step, first_step + step, loss, tracker, lr, writer))
     steps += 1
   return steps
 

@@ -253,6 +253,14 @@ def training_line(device, ordinal, epoch, step, loss, rate, global_rate):
           f'Loss={loss:.5f} Rate={rate:.2f} GlobalRate={global_rate:.2f} Time={now()}')
 
 
+def log_training_step(device, ordinal, epoch, step, global_step, loss, tracker, lr, writer):
+  """The step closure of every script (xm.add_step_closure): it runs after the step's graph
+  has executed, so reading the loss here costs no extra sync."""
+  loss, rate = loss.item(), tracker.rate()
+  print(training_line(device, ordinal, epoch, step, loss, rate, tracker.global_rate()), flush=True)
+  write_scalars(writer, global_step, {'Loss/train': loss, 'Rate/train': rate, 'LR': lr})
+
+
 def summary_writer(logdir):
   """A TensorBoard writer for logdir, or None when no --logdir was given."""
   if not logdir:

@@ -18,7 +18,7 @@ import torch
 import make_cifar_shards
 import train_wds_cifar as wds_cifar
 import utils
-from conftest import COLOURS, make_cifar_python, read_json, run_script
+from conftest import COLOURS, make_cifar_python, make_image_folder, read_json, run_script
 
 
 @pytest.fixture(scope='module')
@@ -70,6 +70,33 @@ def test_writer_repeat_and_fsspec_output(shards):
   assert not fsspec.filesystem('memory').glob('/out/*.tmp')
   read = list(wds_cifar.read_samples(urls, never))
   assert len(read) == 192 and [l for _, l in read] == list(labels) * 2
+
+
+def test_writer_reads_an_image_folder(tmp_path):
+  make_image_folder(tmp_path / 'png', 'train', 30)
+  make_image_folder(tmp_path / 'png', 'test', 5)
+  result = run_script('make_cifar_shards.py', '--image_folder', tmp_path / 'png',
+                      '--output', tmp_path / 'out' / 'c', '--samples_per_shard', 100)
+  assert result.returncode == 0, result.stderr
+  assert 'Classes: blue green red yellow' in result.stdout
+  assert "--wds_traindir \"%s\"" % (tmp_path / 'out' / 'c-train-{000000..000001}.tar') in result.stdout
+  train = list(wds_cifar.read_samples(sorted(map(str, (tmp_path / 'out').glob('c-train-*'))), never))
+  test = list(wds_cifar.read_samples([str(tmp_path / 'out' / 'c-test-000000.tar')], never))
+  assert len(train) == 120 and len(test) == 20
+  assert [l for _, l in test] == [0] * 5 + [1] * 5 + [2] * 5 + [3] * 5
+  # The colour of each image matches its class: red is class 2.
+  red = [img for img, l in test if l == 2]
+  assert all(img[..., 0].mean() > 150 and img[..., 2].mean() < 100 for img in red)
+
+
+def test_checkpoint_to_a_url_loads_with_weights_only():
+  state = {'model': {'w': torch.arange(4.0)}, 'epoch': 3, 'accuracy': 91.5}
+  utils.save_to_url(state, 'memory://ckpt/run1/best.pt')
+  fs = fsspec.filesystem('memory')
+  assert fs.ls('/ckpt/run1', detail=False) == ['/ckpt/run1/best.pt']  # No temporary left.
+  with fsspec.open('memory://ckpt/run1/best.pt', 'rb') as f:
+    loaded = torch.load(f, weights_only=True)
+  assert loaded['epoch'] == 3 and torch.equal(loaded['model']['w'], torch.arange(4.0))
 
 
 @pytest.mark.parametrize('num_shards', [32, 33, 64, 100, 257])
@@ -155,11 +182,14 @@ def test_truncated_shard_is_skipped_with_a_warning_or_fatal(shards, tmp_path, ca
   test = [str(p) for p in sorted((shards / 'shards').glob('cifar-test-*.tar'))]
   bad = truncated_copy(shards / 'shards' / 'cifar-test-000001.tar', tmp_path / 'bad.tar')
   counter = [0]
-  read = list(wds_cifar.read_samples([test[0], bad, test[2]],
+  missing = str(tmp_path / 'missing.tar')
+  read = list(wds_cifar.read_samples([test[0], bad, missing, test[2]],
                                      wds_cifar.bad_data_handler(False, counter)))
-  assert counter == [1]
+  assert counter == [2]
   assert 100 < len(read) < 150  # The good shards and the readable start of the bad one.
-  assert re.search(r'^warning: shard \S*bad\.tar cannot be read to the end', capsys.readouterr().err,
+  err = capsys.readouterr().err
+  assert re.search(r'^warning: shard \S*bad\.tar cannot be read to the end', err, re.M)
+  assert re.search(r'^warning: shard \S*missing\.tar cannot be read .*FileNotFoundError', err,
                    re.M)
   with pytest.raises(utils.BadDataError, match=r'bad\.tar cannot be read.*--fail_on_bad_data'):
     list(wds_cifar.read_samples([bad], wds_cifar.bad_data_handler(True, [0])))
@@ -198,6 +228,14 @@ def http_shards(shards):
   thread.start()
   yield f'http://127.0.0.1:{server.server_port}'
   server.shutdown()
+
+
+def test_reads_shards_from_a_pipe_command(shards):
+  test = sorted((shards / 'shards').glob('cifar-test-*.tar'))
+  piped = list(wds_cifar.read_samples([f'pipe:cat {p}' for p in test], never))
+  local = list(wds_cifar.read_samples([str(p) for p in test], never))
+  assert len(piped) == 200
+  assert all((a == b).all() and l == m for (a, l), (b, m) in zip(local, piped))
 
 
 def test_reads_shards_over_http(http_shards, shards):
