@@ -34,6 +34,14 @@ def readme_command_flags():
   return shlex.split(re.search(r'\w+\.py (--fake_data.*)', readme).group(1))
 
 
+def tensorboard_scalars(logdir):
+  """{tag: [values]} of the scalars in a TensorBoard folder."""
+  from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+  events = EventAccumulator(str(logdir))
+  events.Reload()
+  return {tag: [e.value for e in events.Scalars(tag)] for tag in events.Tags()['scalars']}
+
+
 def script_env(**extra):
   env = dict(os.environ, PJRT_DEVICE='CPU', PYTHONUNBUFFERED='1')
   env.pop('XLA_USE_BF16', None)

@@ -69,7 +69,8 @@ def test_runs_in_one_process_and_under_torchrun(tmp_path, launcher):
     result = subprocess.run(list(map(str, cmd)), cwd=REPO, env=script_env(), capture_output=True,
                             text=True, timeout=300)
   else:
-    result = run_script(SCRIPT, '--num_cores', 1, *flags)
+    result = run_script(SCRIPT, '--num_cores', 1, '--metrics_debug', *flags)
+    assert re.search(r'^Metric: CompileTime$', result.stdout, re.M)  # torch_xla's report
   assert result.returncode == 0, result.stderr
   assert len(losses(result.stdout)) == 3
   assert read_json(tmp_path / 'r.json')['train_steps'] == 3

@@ -5,7 +5,7 @@ import re
 import pytest
 
 from conftest import (losses, make_image_folder, read_json, readme_command_flags, run_script,
-                      script_env, write_image)
+                      script_env, tensorboard_scalars, write_image)
 
 SCRIPT = 'train_single_core.py'
 def convolution_types(hlo_dump_dir):
@@ -18,6 +18,7 @@ def test_readme_quick_start_flags_train_and_report(tmp_path):
   flags = readme_command_flags()
   assert '--fake_data' in flags
   result = run_script(SCRIPT, *flags, '--results_json', tmp_path / 'r.json',
+                      '--logdir', tmp_path / 'tb',
                       env=script_env(XLA_SAVE_TENSORS_FILE=str(tmp_path / 'graphs'),
                                      XLA_SAVE_TENSORS_FMT='hlo'))
   assert result.returncode == 0, result.stderr
@@ -30,6 +31,10 @@ def test_readme_quick_start_flags_train_and_report(tmp_path):
   results = read_json(tmp_path / 'r.json')
   assert results['train_steps'] == results['epochs'] * int(flags[flags.index('--num_steps') + 1])
   assert results['compilations'] > 0 and results['global_rate'] > 0
+  scalars = tensorboard_scalars(tmp_path / 'tb')
+  assert set(scalars) == {'Loss/train', 'Rate/train', 'LR', 'Accuracy/test'}
+  assert scalars['Loss/train'] == pytest.approx(losses(out), abs=1e-5)
+  assert scalars['Accuracy/test'] == [100.0] * results['epochs']
   # The control for the bf16 tests: without it, the step is float32.
   assert convolution_types(tmp_path) == {'f32'}
   assert not results['bf16']
