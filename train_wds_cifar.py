@@ -169,8 +169,9 @@ def augment(images, rng):
 
 
 def to_tensors(images, labels):
-  """uint8 NCHW images (a quarter of float32 on the host-to-device link) and int64 labels."""
-  return (torch.from_numpy(np.ascontiguousarray(np.stack(images).transpose(0, 3, 1, 2))),
+  """uint8 NCHW images from an (N, H, W, C) array (a quarter of float32 on the
+  host-to-device link) and int64 labels."""
+  return (torch.from_numpy(np.ascontiguousarray(images.transpose(0, 3, 1, 2))),
           torch.as_tensor(labels, dtype=torch.int64))
 
 
@@ -255,7 +256,7 @@ def load_test_share(urls, rank, world_size, strict):
   if not samples:
     return torch.zeros(0, 3, SIDE, SIDE, dtype=torch.uint8), torch.zeros(0, dtype=torch.int64)
   images, labels = zip(*samples)
-  return to_tensors(images, labels)
+  return to_tensors(np.stack(images), labels)
 
 
 def load_data(cfg, rank, world_size):

@@ -62,7 +62,7 @@ def rate(loader, passes):
 def main(argv):
   del argv
   count = 1000 if FLAGS.quick else 10000
-  passes = 1 if FLAGS.quick else 2
+  passes = 1 if FLAGS.quick else 5  # Worker start-up each pass, as each epoch.
   with tempfile.TemporaryDirectory() as tmp:
     tmp = pathlib.Path(tmp)
     images, labels = make_images(tmp / 'png', count)
