@@ -9,8 +9,13 @@ test_train_mp_imagenet.py.
 
   python train_resnet_mp.py --fake_data --model resnet18 --img_dim 32 \
       --batch_size 16 --num_epochs 2 --num_steps 40 --log_steps 10
+
+With --ckpt_dir the run saves its whole state and, started again with the same command,
+goes on from the newest checkpoint exactly where it stopped. On SIGTERM every replica
+finishes the same step, the master saves, and the command exits with code 75.
 """
 
+import functools
 import os
 import sys
 import time
@@ -70,6 +75,12 @@ flags.DEFINE_bool('profile', False, 'Start the profiler server so TensorBoard ca
 flags.DEFINE_integer('profiler_port', 9012, 'Profiler server port of the first local replica; '
                      'replica i of a host listens on port + i.')
 flags.DEFINE_string('results_json', None, 'Write accuracy, rates and compile counts here at exit.')
+flags.DEFINE_string('ckpt_dir', None, 'Save checkpoints here and resume from the newest one when '
+                    'started again: a local path, or on a pod a URL every host reads (gs://...).')
+flags.DEFINE_integer('ckpt_every_steps', None, 'Also save every N steps (always at each epoch end).',
+                     lower_bound=1)
+flags.DEFINE_integer('keep_checkpoints', 2, 'Checkpoints kept, besides best.pt.', lower_bound=1)
+flags.DEFINE_string('resume', None, 'Resume from this checkpoint instead of the newest in --ckpt_dir.')
 flags.register_validator('model', lambda name: name in utils.model_names(),
                          'is not a torchvision classification model (e.g. resnet18, resnet50)')
 
@@ -94,13 +105,15 @@ def load_data(cfg, rank, world_size):
     return utils.CappedLoader(train, cap), utils.CappedLoader(test, cap), None, FAKE_CLASSES
   train_set = utils.image_folder(os.path.join(cfg.datadir, 'train'), cfg.img_dim, train=True)
   test_set = utils.image_folder(os.path.join(cfg.datadir, 'val'), cfg.img_dim, train=False)
+  # The order is a function of (seed, epoch) and each image is cropped by its own seed, so a
+  # resumed run sees the very batches an uninterrupted one would.
   sampler = utils.train_sampler(train_set, rank, world_size, cfg.seed)
-  workers = dict(num_workers=cfg.num_workers)
+  workers = dict(num_workers=cfg.num_workers, worker_init_fn=utils.ignore_sigterm)
   if cfg.num_workers:  # torch 2.9 raises on these without workers.
     workers.update(persistent_workers=cfg.persistent_workers, prefetch_factor=cfg.prefetch_factor)
   # drop_last always: a partial batch would be a new shape (a new graph) on some replicas only.
-  train_loader = torch.utils.data.DataLoader(
-      train_set, cfg.batch_size, sampler=sampler, drop_last=True, **workers)
+  train_loader = torch.utils.data.DataLoader(utils.SeededSamples(train_set), cfg.batch_size,
+                                             sampler=sampler, drop_last=True, **workers)
   if len(train_loader) == 0:
     raise utils.UsageError(f'{len(train_set)} training images make no batch of {cfg.batch_size} '
                            f'for each of {world_size} replicas: lower --batch_size')
@@ -122,22 +135,28 @@ def train_step(model, optimizer, scheduler, images, labels):
   return loss
 
 
-def train_one_epoch(model, optimizer, scheduler, loader, epoch, first_step, cfg, writer):
-  """Trains one epoch; returns the number of steps run."""
+def train_one_epoch(model, optimizer, scheduler, loader, epoch, first_step, global_step, cfg,
+                    writer, stop, checkpoint):
+  """Trains the epoch from step first_step on; returns (steps run, whether SIGTERM stopped it)."""
   device, ordinal = torch_xla.device(), xr.global_ordinal()
   tracker = xm.RateTracker()
   model.train()
   steps = 0
-  for step, (images, labels) in enumerate(loader):
+  for step, (images, labels) in enumerate(loader, first_step):
     with xp.StepTrace('train_step', step_num=step):  # Named steps in a profile; ends in a sync.
       loss = train_step(model, optimizer, scheduler, images, labels)
       tracker.add(cfg.batch_size)
       if step % cfg.log_steps == 0:
         lr = optimizer.param_groups[0]['lr']
         xm.add_step_closure(utils.log_training_step, args=(
-            device, ordinal, epoch, step, first_step + step, loss, tracker, lr, writer))
+            device, ordinal, epoch, step, global_step + steps, loss, tracker, lr, writer))
+      stopping = stop.agreed_after_step(device)  # The same answer on every replica.
     steps += 1
-  return steps
+    if stopping:
+      return steps, True
+    if cfg.ckpt_dir and cfg.ckpt_every_steps and (global_step + steps) % cfg.ckpt_every_steps == 0:
+      checkpoint(epoch, step + 1, global_step + steps)
+  return steps, False
 
 
 def evaluate(model, loader):
@@ -155,11 +174,39 @@ def evaluate(model, loader):
   return 100.0 * correct / max(total, 1), correct, total
 
 
+def save_checkpoint(cfg, model, optimizer, scheduler, results, epoch, step, global_step,
+                    best=False):
+  """Saves the whole training state after `step` steps of `epoch`; returns its path. Every
+  replica calls it at the same step; the master writes."""
+  state = dict(model=model.state_dict(), optimizer=optimizer.state_dict(),
+               lr_scheduler=scheduler.state_dict() if scheduler else None, epoch=epoch,
+               step=step, global_step=global_step, rng=utils.rng_state(), flags=vars(cfg),
+               results=results)
+  return utils.save_checkpoint(state, cfg.ckpt_dir, cfg.keep_checkpoints, best)
+
+
+def resume_checkpoint(cfg):
+  """(path, state) of the checkpoint to resume from, the same on every replica: the master
+  chooses (reporting unreadable ones), the others load what it chose."""
+  path, state = (utils.find_checkpoint(cfg.resume, cfg.ckpt_dir) if xm.is_master_ordinal()
+                 else (None, None))
+  path = xm.mesh_reduce('resume_from', path, lambda paths: paths[0])
+  if path is not None and state is None:
+    try:
+      state = utils.load_checkpoint(path)
+    except utils.CheckpointError as e:
+      raise utils.UsageError(f'{e}: on a pod, --ckpt_dir must be one place every host reads '
+                             '(e.g. gs://bucket/run)') from None
+  return path, state
+
+
 def train(cfg):
   """The whole run of one replica; returns the results dict that --results_json writes."""
+  stop = utils.StopRequest()
   torch.manual_seed(cfg.seed)
   rank, world_size, device = xr.global_ordinal(), xr.world_size(), torch_xla.device()
   train_loader, test_loader, sampler, num_classes = load_data(cfg, rank, world_size)
+  steps_per_epoch = train_loader.num_batches
   model = utils.create_model(cfg.model, num_classes).to(device)
   xm.broadcast_master_param(model)  # Every replica starts from the master's weights.
   optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum,
@@ -167,7 +214,7 @@ def train(cfg):
   scheduler = None
   if cfg.lr_scheduler_type == 'WarmupAndExponentialDecayScheduler':
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: utils.warmup_step_decay(
-        step, len(train_loader), cfg.lr_warmup_epochs, cfg.lr_scheduler_divide_every_n_epochs,
+        step, steps_per_epoch, cfg.lr_warmup_epochs, cfg.lr_scheduler_divide_every_n_epochs,
         cfg.lr_scheduler_divisor))
   writer = utils.summary_writer(cfg.logdir) if xm.is_master_ordinal() else None
   # The server lives as long as this reference: keep it until training ends.
@@ -178,21 +225,39 @@ def train(cfg):
   train_device_loader = pl.MpDeviceLoader(train_loader, device, **prefetch)
   test_device_loader = pl.MpDeviceLoader(test_loader, device, **prefetch)
 
-  results = dict(model=cfg.model, world_size=world_size, epochs=0, train_steps=0, train_samples=0,
+  results = dict(model=cfg.model, world_size=world_size, epochs=0, train_steps=0,
                  max_accuracy=0.0, final_accuracy=0.0, eval_correct=0, eval_samples=0,
-                 epoch_rates=[], compilations_after_epoch=[],
+                 epoch_rates=[], compilations_after_epoch=[], train_seconds=0.0,
                  bf16=os.environ.get('XLA_USE_BF16') == '1')
-  train_seconds = 0.0
-  for epoch in range(1, cfg.num_epochs + 1):
-    if sampler is not None:
-      sampler.set_epoch(epoch)
+  first_epoch, first_step = 1, 0
+  path, state = resume_checkpoint(cfg)
+  if state is not None:
+    first_epoch, first_step, results = utils.restore(
+        state, path, model, optimizer, scheduler, vars(cfg), num_classes,
+        report=xm.is_master_ordinal())
+    if first_epoch > cfg.num_epochs:
+      xm.master_print(f'Run already finished: {path} is the end of epoch {first_epoch - 1} '
+                      f'(--num_epochs {cfg.num_epochs})')
+      return results
+    xm.master_print(f'Resumed from {path} at epoch {first_epoch} step {first_step}')
+  checkpoint = functools.partial(save_checkpoint, cfg, model, optimizer, scheduler, results)
+
+  for epoch in range(first_epoch, cfg.num_epochs + 1):
+    if sampler is not None:  # Skips, on the host, the batches a resumed run has trained.
+      sampler.set_epoch(epoch, skip=first_step * cfg.batch_size)
+    train_loader.start = first_step
     xm.master_print(f'Epoch {epoch} train begin {utils.now()}')
     start = time.time()
-    steps = train_one_epoch(model, optimizer, scheduler, train_device_loader, epoch,
-                            results['train_steps'], cfg, writer)
+    steps, stopped = train_one_epoch(model, optimizer, scheduler, train_device_loader, epoch,
+                                     first_step, results['train_steps'], cfg, writer, stop,
+                                     checkpoint)
     train_loader.check()
     xm.wait_device_ops()  # Time the device work, not just the tracing.
     seconds = time.time() - start
+    results['train_steps'] += steps
+    results['train_seconds'] += seconds
+    if stopped:
+      return stop_run(cfg, checkpoint, results, epoch, first_step + steps)
     print(f'Epoch {epoch} Replica Train Samples={steps * cfg.batch_size} '
           f'Device={device}/{rank}', flush=True)
     rate = xm.mesh_reduce('epoch_rate', steps * cfg.batch_size / seconds, sum)
@@ -205,20 +270,35 @@ def train(cfg):
     if cfg.metrics_debug:
       xm.master_print(met.metrics_report())
 
-    train_seconds += seconds
+    best = accuracy > results['max_accuracy']
     results.update(epochs=epoch, final_accuracy=accuracy, eval_correct=correct,
                    eval_samples=total, max_accuracy=max(results['max_accuracy'], accuracy))
-    results['train_steps'] += steps
-    results['train_samples'] += steps * cfg.batch_size * world_size
-    results['epoch_rates'].append(rate)
+    if steps:
+      results['epoch_rates'].append(rate)
     results['compilations_after_epoch'].append(utils.compile_count())
+    if cfg.ckpt_dir:
+      checkpoint(epoch + 1, 0, results['train_steps'], best=best)
+    if stop.agreed_at_epoch_end():
+      return stop_run(cfg, checkpoint, results, epoch + 1, 0)
+    first_step = 0
 
   if writer is not None:
     writer.close()
   del profiler
-  results['global_rate'] = results['train_samples'] / train_seconds
+  results['train_samples'] = results['train_steps'] * cfg.batch_size * world_size
+  results['global_rate'] = results['train_samples'] / max(results['train_seconds'], 1e-9)
   results['compilations'] = utils.compile_count()
   xm.master_print(f'Max Accuracy: {results["max_accuracy"]:.2f}%')
+  return results
+
+
+def stop_run(cfg, checkpoint, results, epoch, step):
+  """The end of a run stopped by SIGTERM at a step boundary: saves, says so."""
+  saved = checkpoint(epoch, step, results['train_steps']) if cfg.ckpt_dir else None
+  xm.master_print(f'Stopped by SIGTERM at epoch {epoch} step {step}: ' +
+                  (f'saved {saved}; run the same command to resume' if saved else
+                   'nothing saved (no --ckpt_dir)') + f' (exit code {utils.EXIT_PREEMPTED})')
+  results['preempted'] = True
   return results
 
 
@@ -230,8 +310,12 @@ def _mp_fn(index, flag_values):
     results = train(cfg)
   except (utils.UsageError, utils.BadDataError) as e:
     utils.die(e)
+  finally:
+    utils.end_loader_workers()
   if xm.is_master_ordinal():
     utils.write_results(cfg.results_json, results)
+  if results.get('preempted'):
+    sys.exit(utils.EXIT_PREEMPTED)
   if results['final_accuracy'] < cfg.target_accuracy:
     xm.master_print(f'Accuracy {results["final_accuracy"]:.2f} is below target '
                     f'{cfg.target_accuracy:.2f}')
@@ -256,10 +340,20 @@ def main(argv):
       classes = utils.check_image_folder(train_dir)
       if utils.check_image_folder(test_dir) != classes:
         raise utils.UsageError(f'{test_dir} and {train_dir} must hold the same class folders')
+    if FLAGS.ckpt_dir:
+      utils.check_checkpoint_dir(FLAGS.ckpt_dir)
   except utils.UsageError as e:
     utils.die(e)
+  if FLAGS.num_cores == 1:
+    utils.stop_on_sigterm()  # The replica is this process.
+  else:
+    utils.forward_sigterm_to_replicas()  # `kill PID` of this command reaches the replicas.
   torch_xla.launch(_mp_fn, args=(flag_values,), debug_single_process=FLAGS.num_cores == 1)
 
 
 if __name__ == '__main__':
   app.run(main, flags_parser=utils.parse_flags)
+elif __name__ == '__mp_main__':
+  # A replica process of torch_xla.launch imports this file in its main thread, the only
+  # one that may catch a signal; train() runs in another thread.
+  utils.stop_on_sigterm()

@@ -10,8 +10,14 @@ steps, the shard order changes every epoch, and every test sample is counted onc
   python train_wds_cifar.py --trainsize 50000 --testsize 10000 \
       --wds_traindir 'shards/cifar-train-{000000..000049}.tar' \
       --wds_testdir 'shards/cifar-test-{000000..000009}.tar'
+
+With --ckpt_dir the run saves its whole state and, started again with the same command,
+goes on from the newest checkpoint exactly where it stopped: the stream of the epoch is
+rebuilt from (seed, epoch) and the trained batches are read but not used. On SIGTERM
+every replica finishes the same step, the master saves, and the command exits with 75.
 """
 
+import functools
 import itertools
 import math
 import os
@@ -77,8 +83,12 @@ flags.DEFINE_integer('host_to_device_transfer_threads', 1, 'Threads copying batc
                      lower_bound=1)
 flags.DEFINE_bool('bf16', False, 'Train in bfloat16: sets XLA_USE_BF16=1 before the spawn.')
 flags.DEFINE_float('target_accuracy', 0.0, 'Exit with code 21 if the final accuracy (%) is below it.')
-flags.DEFINE_string('ckpt_dir', None, 'Save the model here (local path or fsspec URL such as '
-                    'gs://bucket/run) as best.pt whenever the test accuracy improves.')
+flags.DEFINE_string('ckpt_dir', None, 'Save checkpoints here and resume from the newest one when '
+                    'started again: a local path, or on a pod a URL every host reads (gs://...).')
+flags.DEFINE_integer('ckpt_every_steps', None, 'Also save every N steps (always at each epoch end).',
+                     lower_bound=1)
+flags.DEFINE_integer('keep_checkpoints', 2, 'Checkpoints kept, besides best.pt.', lower_bound=1)
+flags.DEFINE_string('resume', None, 'Resume from this checkpoint instead of the newest in --ckpt_dir.')
 flags.DEFINE_string('logdir', None, 'TensorBoard folder for loss, rate, lr and accuracy (master only).')
 flags.DEFINE_bool('metrics_debug', False, "Print torch_xla's metrics report after each epoch.")
 flags.DEFINE_bool('profile', False, 'Start the profiler server so TensorBoard can capture a trace.')
@@ -180,35 +190,52 @@ class TrainShards(torch.utils.data.IterableDataset):
 
   Each batch comes with counts: bad data skipped since the previous batch, and samples
   read a second time because the worker's shards ran out (the loop takes as many batches
-  as the epoch needs, so every replica runs the same number of steps). Set .epoch before
-  iterating; loader workers start anew each epoch and take it with them.
+  as the epoch needs, so every replica runs the same number of steps). Set .epoch, and
+  .skip to the batches a resumed run has trained, before iterating; loader workers start
+  anew each epoch and take them with them.
   """
 
   def __init__(self, urls, rank, world_size, batch_size, shuffle_buffer, seed, strict):
     self.urls, self.rank, self.world_size = urls, rank, world_size
     self.batch_size, self.shuffle_buffer, self.seed, self.strict = (batch_size, shuffle_buffer,
                                                                     seed, strict)
-    self.epoch = 0
+    self.epoch, self.skip = 0, 0
 
   def __iter__(self):
     info = torch.utils.data.get_worker_info()
     worker, num_workers = (info.id, info.num_workers) if info else (0, 1)
     shards = utils.shards_for(self.urls, self.rank, self.world_size, worker, num_workers,
                               self.seed, self.epoch)
-    rng = np.random.default_rng([self.seed, self.epoch, self.rank, worker])
+    rng = np.random.default_rng([self.seed, self.epoch, self.rank, worker])  # Order, shuffle.
+    # The DataLoader takes batch i from worker i % num_workers. Of the batches a resumed
+    # run has trained, this worker made those below .skip in its turn: it reads their
+    # samples (the shuffle must go on the same) but does not augment or send them. A worker
+    # whose first turn falls below .skip sends None there, which CountedBatches drops, so
+    # that the batches after .skip come in their uninterrupted order.
+    skip = len(range(worker, self.skip, num_workers))
+    if worker < self.skip % num_workers:
+      yield None
     bad = [0]
     on_bad = bad_data_handler(self.strict, bad)
-    buffer, batch, repeated = [], [], 0
+    buffer, batch, repeated, made = [], [], 0, 0
 
     def emit(sample, pass_number):
-      nonlocal batch, repeated
+      nonlocal batch, repeated, made
       batch.append(sample)
       repeated += pass_number > 0
       if len(batch) < self.batch_size:
         return None
+      made += 1
+      if made <= skip:
+        batch = []
+        return None  # Trained before the resume; its counts go with the next batch.
       images, labels = zip(*batch)
-      out = to_tensors(augment(np.stack(images), rng), labels) + (torch.tensor([bad[0], repeated]),)
-      batch, repeated, bad[0] = [], 0, 0
+      batch = []
+      # Crops from a generator of this batch alone: the same with or without a resume.
+      crops = np.random.default_rng([self.seed, self.epoch, self.rank, worker, made])
+      out = to_tensors(augment(np.stack(images), crops), labels) + (torch.tensor([bad[0],
+                                                                                 repeated]),)
+      repeated, bad[0] = 0, 0
       return out
 
     for pass_number in itertools.count():
@@ -231,7 +258,8 @@ class TrainShards(torch.utils.data.IterableDataset):
 
 
 class CountedBatches:
-  """Adds up the counts that come with each batch and passes on (images, labels)."""
+  """Adds up the counts that come with each batch and passes on (images, labels); drops
+  the None a worker sends in place of a batch trained before a resume."""
 
   def __init__(self, loader):
     self.loader = loader
@@ -239,7 +267,10 @@ class CountedBatches:
 
   def __iter__(self):
     self.bad = self.repeated = 0
-    for images, labels, counts in self.loader:
+    for item in self.loader:
+      if item is None:
+        continue
+      images, labels, counts = item
       self.bad += int(counts[0])
       self.repeated += int(counts[1])
       yield images, labels
@@ -275,7 +306,7 @@ def load_data(cfg, rank, world_size):
                            f'each of {world_size} replicas: lower --batch_size')
   train_set = TrainShards(train_urls, rank, world_size, cfg.batch_size, cfg.shuffle_buffer,
                           cfg.seed, cfg.fail_on_bad_data)
-  workers = dict(num_workers=cfg.num_workers)
+  workers = dict(num_workers=cfg.num_workers, worker_init_fn=utils.ignore_sigterm)
   if cfg.num_workers:  # torch 2.9 raises on prefetch_factor without workers.
     workers.update(prefetch_factor=cfg.prefetch_factor)
   train_loader = CountedBatches(torch.utils.data.DataLoader(train_set, batch_size=None, **workers))
@@ -332,22 +363,28 @@ def train_step(model, optimizer, scheduler, images, labels):
   return loss
 
 
-def train_one_epoch(model, optimizer, scheduler, loader, epoch, first_step, cfg, writer):
-  """Trains one epoch; returns the number of steps run."""
+def train_one_epoch(model, optimizer, scheduler, loader, epoch, first_step, global_step, cfg,
+                    writer, stop, checkpoint):
+  """Trains the epoch from step first_step on; returns (steps run, whether SIGTERM stopped it)."""
   device, ordinal = torch_xla.device(), xr.global_ordinal()
   tracker = xm.RateTracker()
   model.train()
   steps = 0
-  for step, (images, labels) in enumerate(loader):
+  for step, (images, labels) in enumerate(loader, first_step):
     with xp.StepTrace('train_step', step_num=step):  # Named steps in a profile; ends in a sync.
       loss = train_step(model, optimizer, scheduler, images, labels)
       tracker.add(cfg.batch_size)
       if step % cfg.log_steps == 0:
         lr = optimizer.param_groups[0]['lr']
         xm.add_step_closure(utils.log_training_step, args=(
-            device, ordinal, epoch, step, first_step + step, loss, tracker, lr, writer))
+            device, ordinal, epoch, step, global_step + steps, loss, tracker, lr, writer))
+      stopping = stop.agreed_after_step(device)  # The same answer on every replica.
     steps += 1
-  return steps
+    if stopping:
+      return steps, True
+    if cfg.ckpt_dir and cfg.ckpt_every_steps and (global_step + steps) % cfg.ckpt_every_steps == 0:
+      checkpoint(epoch, step + 1, global_step + steps)
+  return steps, False
 
 
 def evaluate(model, loader):
@@ -365,11 +402,39 @@ def evaluate(model, loader):
   return 100.0 * correct / max(total, 1), correct, total
 
 
+def save_checkpoint(cfg, model, optimizer, scheduler, results, epoch, step, global_step,
+                    best=False):
+  """Saves the whole training state after `step` steps of `epoch`; returns its path. Every
+  replica calls it at the same step; the master writes."""
+  state = dict(model=model.state_dict(), optimizer=optimizer.state_dict(),
+               lr_scheduler=scheduler.state_dict() if scheduler else None, epoch=epoch,
+               step=step, global_step=global_step, rng=utils.rng_state(), flags=vars(cfg),
+               results=results)
+  return utils.save_checkpoint(state, cfg.ckpt_dir, cfg.keep_checkpoints, best)
+
+
+def resume_checkpoint(cfg):
+  """(path, state) of the checkpoint to resume from, the same on every replica: the master
+  chooses (reporting unreadable ones), the others load what it chose."""
+  path, state = (utils.find_checkpoint(cfg.resume, cfg.ckpt_dir) if xm.is_master_ordinal()
+                 else (None, None))
+  path = xm.mesh_reduce('resume_from', path, lambda paths: paths[0])
+  if path is not None and state is None:
+    try:
+      state = utils.load_checkpoint(path)
+    except utils.CheckpointError as e:
+      raise utils.UsageError(f'{e}: on a pod, --ckpt_dir must be one place every host reads '
+                             '(e.g. gs://bucket/run)') from None
+  return path, state
+
+
 def train(cfg):
   """The whole run of one replica; returns the results dict that --results_json writes."""
+  stop = utils.StopRequest()
   torch.manual_seed(cfg.seed)
   rank, world_size, device = xr.global_ordinal(), xr.world_size(), torch_xla.device()
   train_loader, train_set, test_loader = load_data(cfg, rank, world_size)
+  steps_per_epoch = train_loader.num_batches
   model = cifar_resnet(cfg.model, cfg.num_classes).to(device)
   xm.broadcast_master_param(model)  # Every replica starts from the master's weights.
   optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum,
@@ -377,7 +442,7 @@ def train(cfg):
   scheduler = None
   if cfg.lr_scheduler_type == 'WarmupAndExponentialDecayScheduler':
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: utils.warmup_step_decay(
-        step, len(train_loader), cfg.lr_warmup_epochs, cfg.lr_scheduler_divide_every_n_epochs,
+        step, steps_per_epoch, cfg.lr_warmup_epochs, cfg.lr_scheduler_divide_every_n_epochs,
         cfg.lr_scheduler_divisor))
   writer = utils.summary_writer(cfg.logdir) if xm.is_master_ordinal() else None
   # The server lives as long as this reference: keep it until training ends.
@@ -388,21 +453,44 @@ def train(cfg):
   train_device_loader = pl.MpDeviceLoader(train_loader, device, **prefetch)
   test_device_loader = pl.MpDeviceLoader(test_loader, device, **prefetch)
 
-  results = dict(model=cfg.model, world_size=world_size, epochs=0, train_steps=0, train_samples=0,
+  results = dict(model=cfg.model, world_size=world_size, epochs=0, train_steps=0,
                  max_accuracy=0.0, final_accuracy=0.0, eval_correct=0, eval_samples=0,
                  epoch_rates=[], compilations_after_epoch=[], skipped_bad_data=0,
-                 repeated_samples=0, bf16=os.environ.get('XLA_USE_BF16') == '1')
-  train_seconds = 0.0
-  for epoch in range(1, cfg.num_epochs + 1):
-    train_set.epoch = epoch  # Shard order, shuffle and crops: a function of (seed, epoch).
+                 repeated_samples=0, train_seconds=0.0,
+                 bf16=os.environ.get('XLA_USE_BF16') == '1')
+  first_epoch, first_step = 1, 0
+  path, state = resume_checkpoint(cfg)
+  if state is not None:
+    first_epoch, first_step, results = utils.restore(
+        state, path, model, optimizer, scheduler, vars(cfg), cfg.num_classes,
+        report=xm.is_master_ordinal())
+    if first_epoch > cfg.num_epochs:
+      xm.master_print(f'Run already finished: {path} is the end of epoch {first_epoch - 1} '
+                      f'(--num_epochs {cfg.num_epochs})')
+      return results
+    xm.master_print(f'Resumed from {path} at epoch {first_epoch} step {first_step}')
+  checkpoint = functools.partial(save_checkpoint, cfg, model, optimizer, scheduler, results)
+
+  for epoch in range(first_epoch, cfg.num_epochs + 1):
+    # Shard order, shuffle and crops: a function of (seed, epoch); a resumed run reads the
+    # batches it has trained without using them.
+    train_set.epoch, train_set.skip = epoch, first_step
+    train_loader.start = first_step
     xm.master_print(f'Epoch {epoch} train begin {utils.now()}')
     start = time.time()
-    steps = train_one_epoch(model, optimizer, scheduler, train_device_loader, epoch,
-                            results['train_steps'], cfg, writer)
+    steps, stopped = train_one_epoch(model, optimizer, scheduler, train_device_loader, epoch,
+                                     first_step, results['train_steps'], cfg, writer, stop,
+                                     checkpoint)
     train_loader.check()
     xm.wait_device_ops()  # Time the device work, not just the tracing.
     seconds = time.time() - start
     counted = train_loader.loader
+    results['train_steps'] += steps
+    results['train_seconds'] += seconds
+    results['skipped_bad_data'] += counted.bad
+    results['repeated_samples'] += counted.repeated
+    if stopped:
+      return stop_run(cfg, checkpoint, results, epoch, first_step + steps)
     print(f'Epoch {epoch} Replica Train Samples={steps * cfg.batch_size} '
           f'Device={device}/{rank}', flush=True)
     if counted.repeated:
@@ -422,30 +510,37 @@ def train(cfg):
     utils.write_scalars(writer, epoch, {'Accuracy/test': accuracy})
     if cfg.metrics_debug:
       xm.master_print(met.metrics_report())
-    if cfg.ckpt_dir and accuracy > results['max_accuracy']:
-      state = {name: tensor.cpu() for name, tensor in model.state_dict().items()}
-      if xm.is_master_ordinal():
-        url = cfg.ckpt_dir.rstrip('/') + '/best.pt'
-        utils.save_to_url(dict(model=state, epoch=epoch, accuracy=accuracy, flags=vars(cfg)), url)
-        print(f'Saved checkpoint {url}', flush=True)
 
-    train_seconds += seconds
+    best = accuracy > results['max_accuracy']
     results.update(epochs=epoch, final_accuracy=accuracy, eval_correct=correct,
                    eval_samples=total, max_accuracy=max(results['max_accuracy'], accuracy))
-    results['train_steps'] += steps
-    results['train_samples'] += steps * cfg.batch_size * world_size
-    results['skipped_bad_data'] += counted.bad
-    results['repeated_samples'] += counted.repeated
-    results['epoch_rates'].append(rate)
+    if steps:
+      results['epoch_rates'].append(rate)
     results['compilations_after_epoch'].append(utils.compile_count())
+    if cfg.ckpt_dir:
+      checkpoint(epoch + 1, 0, results['train_steps'], best=best)
+    if stop.agreed_at_epoch_end():
+      return stop_run(cfg, checkpoint, results, epoch + 1, 0)
+    first_step = 0
 
   if writer is not None:
     writer.close()
   del profiler
-  results['global_rate'] = results['train_samples'] / train_seconds
+  results['train_samples'] = results['train_steps'] * cfg.batch_size * world_size
+  results['global_rate'] = results['train_samples'] / max(results['train_seconds'], 1e-9)
   results['compilations'] = utils.compile_count()
-  xm.master_print(f'Total train time: {train_seconds:.1f} s')
+  xm.master_print(f'Total train time: {results["train_seconds"]:.1f} s')
   xm.master_print(f'Max Accuracy: {results["max_accuracy"]:.2f}%')
+  return results
+
+
+def stop_run(cfg, checkpoint, results, epoch, step):
+  """The end of a run stopped by SIGTERM at a step boundary: saves, says so."""
+  saved = checkpoint(epoch, step, results['train_steps']) if cfg.ckpt_dir else None
+  xm.master_print(f'Stopped by SIGTERM at epoch {epoch} step {step}: ' +
+                  (f'saved {saved}; run the same command to resume' if saved else
+                   'nothing saved (no --ckpt_dir)') + f' (exit code {utils.EXIT_PREEMPTED})')
+  results['preempted'] = True
   return results
 
 
@@ -457,8 +552,12 @@ def _mp_fn(index, flag_values):
     results = train(cfg)
   except (utils.UsageError, utils.BadDataError) as e:
     utils.die(e)
+  finally:
+    utils.end_loader_workers()
   if xm.is_master_ordinal():
     utils.write_results(cfg.results_json, results)
+  if results.get('preempted'):
+    sys.exit(utils.EXIT_PREEMPTED)
   if results['final_accuracy'] < cfg.target_accuracy:
     xm.master_print(f'Accuracy {results["final_accuracy"]:.2f} is below target '
                     f'{cfg.target_accuracy:.2f}')
@@ -484,9 +583,22 @@ def main(argv):
       if FLAGS.fail_on_bad_data:
         utils.die(f'{message}: fix the pattern, or drop --fail_on_bad_data to skip them')
       print(f'warning: {message}; they will be skipped', file=sys.stderr, flush=True)
+  if FLAGS.ckpt_dir:
+    try:
+      utils.check_checkpoint_dir(FLAGS.ckpt_dir)
+    except utils.UsageError as e:
+      utils.die(e)
+  if FLAGS.num_cores == 1:
+    utils.stop_on_sigterm()  # The replica is this process.
+  else:
+    utils.forward_sigterm_to_replicas()  # `kill PID` of this command reaches the replicas.
   torch_xla.launch(_mp_fn, args=(FLAGS.flag_values_dict(),),
                    debug_single_process=FLAGS.num_cores == 1)
 
 
 if __name__ == '__main__':
   app.run(main, flags_parser=utils.parse_flags)
+elif __name__ == '__mp_main__':
+  # A replica process of torch_xla.launch imports this file in its main thread, the only
+  # one that may catch a signal; train() runs in another thread.
+  utils.stop_on_sigterm()

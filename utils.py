@@ -1,17 +1,25 @@
 """Helpers shared by the training scripts of this repo.
 
 Only what is the same in every script lives here: flag errors, data checks, fake data,
-batch padding, log lines, TensorBoard and the results file. Nothing here reads FLAGS;
+batch padding, resumable data order, log lines, TensorBoard, checkpoints, the stop on
+SIGTERM and the results file. Nothing here reads FLAGS;
 every value comes in as an argument, so a script copied out with this file beside it
 still works.
 """
 
+import collections
 import datetime
+import io
 import itertools
 import json
+import multiprocessing
 import os
+import pickle
 import random
+import re
+import signal
 import sys
+import threading
 
 import torch
 import torchvision
@@ -152,15 +160,83 @@ class PaddedSubset(torch.utils.data.Dataset):
 
 
 def train_sampler(dataset, rank, world_size, seed):
-  """This replica's share of the training set, reshuffled by set_epoch(epoch).
+  """This replica's share of the training set as an EpochSampler: reshuffled by
+  set_epoch(epoch), each index paired with its augmentation seed (use SeededSamples).
 
   drop_last=True: DistributedSampler would otherwise pad the shares to equal length by
   repeating samples, training some twice an epoch. Dropping the remainder (fewer than
   world_size samples) gives every replica the same share and no sample to two replicas.
   The order is a function of (seed, epoch) alone.
   """
-  return torch.utils.data.DistributedSampler(
-      dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=True)
+  return EpochSampler(torch.utils.data.DistributedSampler(
+      dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=True), seed)
+
+
+def sample_seed(seed, epoch, index):
+  """The seed of one sample's augmentation: the same whichever worker loads it, and
+  whether or not the run was resumed."""
+  return (seed * 1_000_003 + epoch) * 2**32 + index
+
+
+class EpochSampler(torch.utils.data.Sampler):
+  """A sampler's order for one epoch from a given batch on, each index paired with the
+  seed of that sample's augmentation (for SeededSamples).
+
+  set_epoch(epoch, skip) starts the epoch after `skip` samples: a resumed run skips what
+  was trained on the host, without loading it. The order is the wrapped sampler's, a
+  function of (seed, epoch) alone.
+  """
+
+  def __init__(self, sampler, seed):
+    self.sampler, self.seed = sampler, seed
+    self.epoch, self.skip = 0, 0
+
+  def set_epoch(self, epoch, skip=0):
+    self.sampler.set_epoch(epoch)
+    self.epoch, self.skip = epoch, skip
+
+  def __len__(self):
+    return len(self.sampler) - self.skip
+
+  def __iter__(self):
+    for index in itertools.islice(self.sampler, self.skip, None):
+      yield sample_seed(self.seed, self.epoch, index), index
+
+
+class SeededSamples(torch.utils.data.Dataset):
+  """dataset[index] with torch's RNG seeded for that sample (torchvision's random
+  transforms draw from it), keyed by (seed, index) from EpochSampler. Seeding per sample
+  rather than per worker makes the crops independent of which worker loads a sample, so a
+  resumed run sees the very images an uninterrupted run would."""
+
+  def __init__(self, dataset):
+    self.dataset = dataset
+
+  def __len__(self):
+    return len(self.dataset)
+
+  def __getitem__(self, key):
+    seed, index = key
+    with torch.random.fork_rng(devices=[]):
+      torch.manual_seed(seed)
+      return self.dataset[index]
+
+
+def ignore_sigterm(worker_id=None):
+  """DataLoader worker_init_fn: on a TPU VM shutdown every process gets SIGTERM; the
+  workers keep serving batches so the training process can finish its step and save.
+  They exit when their loader is done or its process dies; end_loader_workers() ends
+  any left at exit."""
+  signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+def end_loader_workers():
+  """Kills this process's loader workers still alive (after an error, the traceback may
+  keep a loader alive). They ignore SIGTERM, which is what multiprocessing's exit would
+  send them before waiting for them forever."""
+  for process in multiprocessing.active_children():
+    process.kill()
+    process.join()
 
 
 def train_steps_per_epoch(num_samples, world_size, batch_size):
@@ -210,6 +286,8 @@ def warmup_step_decay(step, steps_per_epoch, warmup_epochs, divide_every_n_epoch
 class CappedLoader:
   """Yields at most num_batches batches of loader per epoch, on the host.
 
+  Set .start to the steps of the epoch already trained (a resumed run) and it yields
+  only the rest; the loader itself must skip those batches too (EpochSampler.set_epoch).
   Capping before MpDeviceLoader (rather than breaking out of its loop) leaves no
   background thread behind. An exception in the loader (a corrupt image) would end
   the device loader's epoch silently early; it is kept here and raised by check().
@@ -221,17 +299,20 @@ class CappedLoader:
       self.num_batches = min(len(loader), num_batches)
     except TypeError:  # An endless stream: the cap is the epoch.
       self.num_batches = num_batches
+    self.start = 0
     self.error = None
 
   def __len__(self):
-    return self.num_batches
+    return self.num_batches - self.start
 
   def __iter__(self):
     self.error = None
+    if len(self) <= 0:
+      return  # Without starting loader workers for nothing.
     try:
       # islice stops at the cap without asking for one more batch, which would read (and
       # count) data the epoch does not use.
-      yield from itertools.islice(self.loader, self.num_batches)
+      yield from itertools.islice(self.loader, len(self))
     except Exception as e:  # Raised in the main thread by check().
       self.error = e
 
@@ -282,16 +363,279 @@ def compile_count():
   return data[0] if data else 0
 
 
+# ----------------------------------------------------------------------- checkpoints
+
+CHECKPOINT_NAME = re.compile(r'^ckpt-(\d+)\.pt$')
+CHECKPOINT_KEYS = ('model', 'optimizer', 'lr_scheduler', 'epoch', 'step', 'global_step', 'rng',
+                   'flags', 'results')
+# Flags that may change between a run and its resumption without changing what it computes.
+RESTART_FLAGS = {'resume', 'ckpt_dir', 'ckpt_every_steps', 'keep_checkpoints', 'num_epochs',
+                 'log_steps', 'logdir', 'results_json', 'metrics_debug', 'profile',
+                 'profiler_port', 'target_accuracy', 'num_workers', 'persistent_workers',
+                 'prefetch_factor', 'loader_prefetch_size', 'device_prefetch_size',
+                 'host_to_device_transfer_threads', 'fail_on_bad_data', 'num_cores'}
+EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped by SIGTERM after a checkpoint; run it again.
+
+
+class CheckpointError(Exception):
+  """A checkpoint that cannot be used, with the reason in one line."""
+
+
+def _url_join(folder, name):
+  return f'{folder.rstrip("/")}/{name}'
+
+
+def checkpoint_path(ckpt_dir, global_step):
+  return _url_join(ckpt_dir, f'ckpt-{global_step:08d}.pt')
+
+
+def check_checkpoint_dir(ckpt_dir):
+  """Creates ckpt_dir and writes a probe file in it, so that a folder or bucket that cannot
+  take checkpoints fails before any training; removes temporary files of a save that
+  was killed. Raises UsageError."""
+  import fsspec
+  try:
+    fs, path = fsspec.core.url_to_fs(ckpt_dir)
+    fs.makedirs(path, exist_ok=True)
+    probe = _url_join(path, f'.write-test-{os.getpid()}')
+    with fs.open(probe, 'wb') as f:
+      f.write(b'ok')
+    fs.rm(probe)
+    for name in fs.ls(path, detail=False):
+      if '.pt.tmp' in name.rsplit('/', 1)[-1]:
+        fs.rm(name)
+  except Exception as e:  # PermissionError, NotADirectoryError, a bucket's auth error, ...
+    raise UsageError(f'cannot write checkpoints to --ckpt_dir {ckpt_dir} ({type(e).__name__}: '
+                     f'{e}): give a folder or bucket this job can write') from None
+
+
+def list_checkpoints(ckpt_dir):
+  """{global_step: path} of the checkpoints in ckpt_dir."""
+  import fsspec
+  fs, path = fsspec.core.url_to_fs(ckpt_dir)
+  if not fs.exists(path):
+    return {}
+  found = {}
+  for name in fs.ls(path, detail=False):
+    match = CHECKPOINT_NAME.match(name.rsplit('/', 1)[-1])
+    if match:
+      found[int(match.group(1))] = _url_join(ckpt_dir, match.group(0))
+  return found
+
+
+def _write_atomically(data, url):
+  """Writes bytes under a temporary name and renames: a kill mid-write leaves the old file."""
+  import fsspec
+  fs, path = fsspec.core.url_to_fs(url)
+  tmp = f'{path}.tmp{os.getpid()}'
+  with fs.open(tmp, 'wb') as f:
+    f.write(data)
+    try:  # A local file: on disk before the rename, in case the VM goes down.
+      f.flush()
+      os.fsync(f.fileno())
+    except (AttributeError, OSError, ValueError):  # Not a local file: the store commits it.
+      pass
+  fs.mv(tmp, path)
+
+
 def save_to_url(obj, url):
-  """torch.save to a local path or any fsspec URL (gs://...), atomically: written under a
-  temporary name and moved, so a reader never sees half a file."""
+  """torch.save to a local path or any fsspec URL (gs://...), atomically."""
   import fsspec
   fs, path = fsspec.core.url_to_fs(url)
   fs.makedirs(os.path.dirname(path) or '.', exist_ok=True)
-  tmp = f'{path}.tmp{os.getpid()}'
-  with fs.open(tmp, 'wb') as f:
-    torch.save(obj, f)
-  fs.mv(tmp, path)
+  buffer = io.BytesIO()
+  torch.save(obj, buffer)
+  _write_atomically(buffer.getvalue(), url)
+
+
+def save_checkpoint(state, ckpt_dir, keep, best):
+  """Saves the training state as ckpt_dir/ckpt-GLOBALSTEP.pt (and best.pt if best) and
+  returns the path. Called by every replica at the same step: all copy their tensors to
+  the host, only the global master writes, and none goes on before the file is complete.
+  Keeps the newest `keep` checkpoints; removes any newer than this one (left by a run that
+  was rolled back to an older checkpoint)."""
+  import fsspec
+  import torch_xla
+  import torch_xla.core.xla_model as xm
+  import torch_xla.runtime as xr
+  torch_xla.sync()  # Runs the step still being traced, so that saving only copies data.
+  master = xm.is_master_ordinal(local=False)
+  buffer = io.BytesIO() if master else None
+  xm.save(state, buffer, master_only=True, global_master=True)
+  path = checkpoint_path(ckpt_dir, state['global_step'])
+  if master:
+    data = buffer.getvalue()
+    _write_atomically(data, path)
+    if best:
+      _write_atomically(data, _url_join(ckpt_dir, 'best.pt'))
+    fs, _ = fsspec.core.url_to_fs(ckpt_dir)
+    saved = list_checkpoints(ckpt_dir)
+    kept = sorted(step for step in saved if step <= state['global_step'])[-keep:]
+    for step, old in saved.items():
+      if step not in kept:
+        fs.rm(fsspec.core.url_to_fs(old)[1])
+    print(f'Saved checkpoint {path}', flush=True)
+  if xr.world_size() > 1:
+    xm.rendezvous('checkpoint_saved')
+  return path
+
+
+def load_checkpoint(path):
+  """The checkpoint at path (local or fsspec URL) with CPU tensors, or CheckpointError.
+
+  weights_only=True: a checkpoint holds tensors and plain values only; one holding any
+  other object is refused, since unpickling it could run code."""
+  import fsspec
+  try:
+    fs, local = fsspec.core.url_to_fs(path)
+    with fs.open(local, 'rb') as f:
+      state = torch.load(f, map_location='cpu', weights_only=True)
+  except pickle.UnpicklingError:
+    raise CheckpointError(f'checkpoint {path} holds objects other than tensors and plain '
+                          'values; refused, since loading it could run code') from None
+  except Exception as e:  # Truncated or corrupt: RuntimeError, EOFError, ...
+    reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    raise CheckpointError(f'checkpoint {path} cannot be read ({reason})') from None
+  missing = [key for key in CHECKPOINT_KEYS if not isinstance(state, dict) or key not in state]
+  if missing:
+    raise CheckpointError(f'{path} is not a checkpoint of these scripts (no '
+                          f'{", ".join(missing)})')
+  return state
+
+
+def find_checkpoint(resume, ckpt_dir):
+  """(path, state) to resume from: --resume PATH if given (a bad one is a UsageError),
+  else the newest readable checkpoint of ckpt_dir, reporting each unreadable newer one in
+  a line; (None, None) when there is none."""
+  if resume:
+    try:
+      return resume, load_checkpoint(resume)
+    except CheckpointError as e:
+      raise UsageError(f'--resume: {e}') from None
+  if not ckpt_dir:
+    return None, None
+  for _, path in sorted(list_checkpoints(ckpt_dir).items(), reverse=True):
+    try:
+      return path, load_checkpoint(path)
+    except CheckpointError as e:
+      print(f'warning: {e}; trying the previous one', file=sys.stderr, flush=True)
+  return None, None
+
+
+def load_model_state(model, state_dict, path, model_name, num_classes):
+  """Loads a checkpoint's weights, or a UsageError naming what differs, not a wall of keys."""
+  ours = model.state_dict()
+  theirs_shapes = {k: tuple(v.shape) for k, v in state_dict.items()}
+  ours_shapes = {k: tuple(v.shape) for k, v in ours.items()}
+  if theirs_shapes != ours_shapes:
+    missing = sorted(set(ours_shapes) - set(theirs_shapes))
+    reshaped = [k for k in ours_shapes if k in theirs_shapes and ours_shapes[k] != theirs_shapes[k]]
+    detail = (f'{len(missing)} of its weights are missing, e.g. {missing[0]}' if missing else
+              f'{reshaped[0]} is {list(theirs_shapes[reshaped[0]])} there, '
+              f'{list(ours_shapes[reshaped[0]])} here')
+    raise UsageError(f'checkpoint {path} was made for another model or number of classes than '
+                     f'--model {model_name} with {num_classes} classes ({detail}): use another '
+                     '--ckpt_dir or the flags of that run')
+  model.load_state_dict(state_dict)
+
+
+def changed_flags(saved, current):
+  """'--name old -> new' for each flag that changes what a resumed run computes."""
+  return [f'--{name} {saved[name]!r} -> {current[name]!r}' for name in sorted(current)
+          if name in saved and name not in RESTART_FLAGS and saved[name] != current[name]]
+
+
+def restore(state, path, model, optimizer, scheduler, flag_values, num_classes, report=True):
+  """Loads a checkpoint's training state into this run; returns (epoch, step, results)
+  to go on from: `step` steps of `epoch` are done. report: warn of changed flags."""
+  load_model_state(model, state['model'], path, flag_values['model'], num_classes)
+  optimizer.load_state_dict(state['optimizer'])
+  if scheduler is not None and state['lr_scheduler'] is not None:
+    scheduler.load_state_dict(state['lr_scheduler'])
+  set_rng_state(state['rng'])
+  changed = changed_flags(state['flags'], flag_values)
+  if changed and report:
+    print(f'warning: resuming {path} with other flags ({"; ".join(changed)}): the run will '
+          'differ from one never interrupted', file=sys.stderr, flush=True)
+  results = dict(state['results'], train_steps=state['global_step'])
+  return state['epoch'], state['step'], results
+
+
+def rng_state():
+  """The RNG states a step may draw from: torch's CPU generator and the XLA device's."""
+  import torch_xla.core.xla_model as xm
+  return dict(torch=torch.get_rng_state(), xla=xm.get_rng_state())
+
+
+def set_rng_state(state):
+  import torch_xla.core.xla_model as xm
+  torch.set_rng_state(state['torch'])
+  xm.set_rng_state(state['xla'])
+
+
+# -------------------------------------------------------------------------- stopping
+
+
+_SIGTERM = threading.Event()
+
+
+def stop_on_sigterm():
+  """Makes SIGTERM (what a TPU VM gets before maintenance or a preemption) a request to stop
+  that StopRequest reads, instead of the end of the process. Python lets only the main
+  thread install a handler, so call it there (torch_xla.launch trains in another thread)."""
+  signal.signal(signal.SIGTERM, _on_sigterm)
+
+
+def _on_sigterm(signum, frame):
+  _SIGTERM.set()
+
+
+def forward_sigterm_to_replicas():
+  """In the launching process: pass SIGTERM on to the replica processes, so that `kill PID`
+  of the command stops them at a step boundary too."""
+  signal.signal(signal.SIGTERM, _forward_sigterm)
+
+
+def _forward_sigterm(signum, frame):
+  replicas = multiprocessing.active_children()
+  if not replicas:
+    sys.exit(128 + signum)  # No replica has started: nothing to save.
+  for process in replicas:
+    os.kill(process.pid, signum)
+
+
+class StopRequest:
+  """A SIGTERM seen as a stop at a step boundary, the same one on every replica.
+
+  Each step all-reduces this replica's flag inside the step's graph, and reads the sum
+  computed LAG steps earlier, which is long done: no wait for the device, no extra graph
+  execution, and every replica reads the same number after the same step.
+  """
+  LAG = 2
+
+  def __init__(self):
+    self.votes = collections.deque()
+    self.flags = None
+
+  @property
+  def requested(self):
+    """Whether this process got SIGTERM (see stop_on_sigterm)."""
+    return _SIGTERM.is_set()
+
+  def agreed_after_step(self, device):
+    """True when every replica stops after this step; call it once per step."""
+    import torch_xla.core.xla_model as xm
+    if self.flags is None:  # Two device buffers: a step passes one, no transfer per step.
+      self.flags = (torch.zeros((), device=device), torch.ones((), device=device))
+    self.votes.append(xm.all_reduce(xm.REDUCE_SUM, self.flags[self.requested]))
+    return len(self.votes) > self.LAG and self.votes.popleft().item() > 0
+
+  def agreed_at_epoch_end(self):
+    """True when any replica asked to stop during the last steps or since."""
+    import torch_xla.core.xla_model as xm
+    pending = any(vote.item() > 0 for vote in self.votes)
+    self.votes.clear()
+    return xm.mesh_reduce('stop_request', pending or self.requested, any)
 
 
 def write_results(path, results):

@@ -112,3 +112,80 @@ def make_cifar_python(folder, per_batch, test_count, seed=0, colours=COLOURS):
     pickle.dump({b'label_names': [n.encode() for n in names], b'num_vis': 3072,
                  b'num_cases_per_batch': per_batch}, f)
   return folder
+
+
+# ------------------------------------------------------------ interrupted runs
+
+def start_script(script, *args, env=None):
+  """Starts one of the repo's scripts in a process group of its own (with its replicas and
+  loader workers); stdout and stderr come merged, line by line."""
+  cmd = [sys.executable, str(REPO / script), *map(str, args)]
+  return subprocess.Popen(cmd, cwd=REPO, env=env or script_env(), stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, bufsize=1, start_new_session=True)
+
+
+def finish(process, timeout=900):
+  """(exit code, all output) of a started script."""
+  output, _ = process.communicate(timeout=timeout)
+  return process.returncode, output
+
+
+def run_and_signal(script, args, at_step, sig, group=True):
+  """Runs a script with --log_steps 1 and sends sig once it has printed at_step + 1 training
+  lines: to its whole process group (as a VM going down does) or to the command's process
+  only (`kill PID`). Returns (exit code, output)."""
+  process = start_script(script, *args)
+  lines, steps = [], 0
+  for line in process.stdout:
+    lines.append(line)
+    if TRAIN_LINE.match(line.rstrip('\n')):
+      steps += 1
+      if steps > at_step:
+        (os.killpg if group else os.kill)(process.pid, sig)
+        break
+  code, rest = finish(process)
+  return code, ''.join(lines) + rest
+
+
+def kill_during_save(script, args, ckpt_dir, after_saves):
+  """Runs a script and SIGKILLs it while it writes a checkpoint (a temporary file is in
+  ckpt_dir), once after_saves checkpoints are complete. Returns (exit code, output)."""
+  process = start_script(script, *args)
+  lines, saves = [], 0
+  for line in process.stdout:
+    lines.append(line)
+    saves += line.startswith('Saved checkpoint')
+    if saves >= after_saves:
+      break
+  while process.poll() is None:
+    if any('.pt.tmp' in name for name in os.listdir(ckpt_dir)):
+      os.killpg(process.pid, 9)
+      break
+  code, rest = finish(process)
+  return code, ''.join(lines) + rest
+
+
+def training_losses(output):
+  """{(epoch, step): loss text} of the training lines."""
+  return {(int(m.group(1)), int(m.group(2))): m.group(3) for m in TRAIN_LINE.finditer(output)}
+
+
+def newest_checkpoint(ckpt_dir):
+  import torch
+  names = sorted(p for p in os.listdir(ckpt_dir) if re.fullmatch(r'ckpt-\d+\.pt', p))
+  return torch.load(pathlib.Path(ckpt_dir, names[-1]), weights_only=True)
+
+
+def assert_same_training(resumed_dir, reference_dir):
+  """The newest checkpoints of two runs hold bitwise equal weights and optimizer state
+  after the same number of steps."""
+  import torch
+  ours, theirs = newest_checkpoint(resumed_dir), newest_checkpoint(reference_dir)
+  assert (ours['epoch'], ours['step'], ours['global_step']) == (
+      theirs['epoch'], theirs['step'], theirs['global_step'])
+  assert ours['model'].keys() == theirs['model'].keys()
+  differ = [k for k in ours['model'] if not torch.equal(ours['model'][k], theirs['model'][k])]
+  assert not differ, f'{len(differ)} tensors differ, e.g. {differ[0]}'
+  for index, state in theirs['optimizer']['state'].items():
+    assert torch.equal(ours['optimizer']['state'][index]['momentum_buffer'],
+                       state['momentum_buffer']), index

@@ -1,6 +1,7 @@
 """train_resnet_mp.py end to end on XLA:CPU: the spawn runs for real, with one replica."""
 
 import os
+import random
 import re
 import signal
 import subprocess
@@ -10,8 +11,9 @@ import time
 import numpy as np
 import pytest
 
-from conftest import (REPO, losses, read_json, readme_command_flags, run_script, script_env,
-                      write_image)
+from conftest import (REPO, assert_same_training, finish, kill_during_save, losses, read_json,
+                      readme_command_flags, run_and_signal, run_script, script_env, start_script,
+                      training_losses, write_image)
 
 SCRIPT = 'train_resnet_mp.py'
 
@@ -126,3 +128,41 @@ def test_too_little_data_for_a_batch_is_a_clear_error(tmp_path, colour_folder):
   assert result.returncode == 2, result.stdout + result.stderr
   assert 'Traceback' not in result.stderr
   assert re.search(r'^error: 256 training images make no batch of 300', result.stderr, re.M)
+
+
+def test_killed_stopped_and_killed_mid_save_run_ends_bitwise_equal(tmp_path):
+  # The resnet50 recipe's warm-up and decay, over 3 short epochs: the schedule's state must
+  # resume too.
+  args = ['--fake_data', '--model', 'resnet18', '--img_dim', 16, '--batch_size', 4,
+          '--test_set_batch_size', 4, '--num_epochs', 3, '--num_steps', 4, '--log_steps', 1,
+          '--lr_scheduler_type', 'WarmupAndExponentialDecayScheduler',
+          '--lr_scheduler_divide_every_n_epochs', 1, '--ckpt_every_steps', 2]
+  reference = start_script(SCRIPT, *args, '--ckpt_dir', tmp_path / 'reference',
+                           '--results_json', tmp_path / 'reference.json')
+  ckpt_dir = tmp_path / 'ckpt'
+  run = args + ['--ckpt_dir', ckpt_dir]
+  kill_step = random.Random().randrange(1, 5)
+  code, out = run_and_signal(SCRIPT, run, kill_step, signal.SIGKILL)
+  assert code == -signal.SIGKILL, out
+
+  # SIGTERM to the command alone (`kill PID`): it passes it on to the replica.
+  code, out = run_and_signal(SCRIPT, run, 1, signal.SIGTERM, group=False)
+  assert code == 75, f'kill at step {kill_step}\n{out}'
+  assert re.search(r'^Stopped by SIGTERM at epoch \d step \d: saved \S+; run the same command '
+                   r'to resume \(exit code 75\)$', out, re.M), out
+
+  code, out = kill_during_save(SCRIPT, run, ckpt_dir, after_saves=1)
+  assert code == -signal.SIGKILL, out
+
+  result = run_script(SCRIPT, *run, '--results_json', tmp_path / 'r.json')
+  assert result.returncode == 0, result.stdout + result.stderr
+  assert re.search(r'^Resumed from \S+ at epoch \d step \d$', result.stdout, re.M), result.stdout
+  code, reference_out = finish(reference)
+  assert code == 0, reference_out
+  resumed, uninterrupted = training_losses(result.stdout), training_losses(reference_out)
+  assert resumed and all(uninterrupted[key] == loss for key, loss in resumed.items())
+  assert_same_training(ckpt_dir, tmp_path / 'reference')
+  assert read_json(tmp_path / 'r.json')['train_steps'] == 12
+  # Saving every 2 steps compiles nothing new after the first epoch.
+  compiled = read_json(tmp_path / 'reference.json')['compilations_after_epoch']
+  assert compiled == [compiled[0]] * 3, compiled

@@ -103,6 +103,11 @@ def _empty_class(tmp_path):
   return data
 
 
+def _a_file(tmp):
+  (tmp / 'a_file').write_text('not a folder')
+  return tmp / 'a_file'
+
+
 BAD_INPUTS = {
     'no data flag': (lambda tmp: [], r'give --datadir DIR .* or --fake_data'),
     'missing datadir': (lambda tmp: ['--datadir', tmp / 'nowhere'],
@@ -118,6 +123,8 @@ BAD_INPUTS = {
     'zero steps': (lambda tmp: ['--fake_data', '--num_steps', 0],
                    r'--num_steps=0: 0 is not a positive integer'),
     'stray argument': (lambda tmp: ['--fake_data', 'resnet18'], r"unexpected arguments \['resnet18'\]"),
+    'unwritable ckpt_dir': (lambda tmp: ['--fake_data', '--ckpt_dir', _a_file(tmp) / 'ckpt'],
+                            r'cannot write checkpoints to --ckpt_dir \S+/a_file/ckpt \(\w+Error'),
 }
 
 

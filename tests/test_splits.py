@@ -32,7 +32,7 @@ def epoch_indices(n, world_size, seed, epoch):
   for rank in range(world_size):
     sampler = utils.train_sampler(Indexed(n), rank, world_size, seed)
     sampler.set_epoch(epoch)
-    shares.append(list(sampler))
+    shares.append([index for _, index in sampler])
   return shares
 
 
@@ -54,6 +54,20 @@ def test_training_order_changes_by_epoch_and_repeats_by_seed():
     assert epoch_indices(1000, world_size, seed=5, epoch=1) == first
     assert epoch_indices(1000, world_size, seed=5, epoch=2) != first
     assert epoch_indices(1000, world_size, seed=6, epoch=1) != first
+
+
+def test_resumed_epoch_skips_exactly_the_trained_samples_with_the_same_seeds():
+  for world_size, rank in [(1, 0), (8, 5), (64, 63)]:
+    sampler = utils.train_sampler(Indexed(5000), rank, world_size, seed=3)
+    sampler.set_epoch(4)
+    whole = list(sampler)
+    for skip in [0, 1, 8, len(whole) - 1, len(whole)]:
+      sampler.set_epoch(4, skip=skip)
+      assert len(sampler) == len(whole) - skip
+      assert list(sampler) == whole[skip:]
+  # Seeds differ by sample and by epoch: every crop is drawn anew.
+  seeds = {utils.sample_seed(3, epoch, i) for epoch in range(1, 4) for i in range(5000)}
+  assert len(seeds) == 3 * 5000
 
 
 @pytest.mark.parametrize('n', SIZES + [50000])

@@ -6,7 +6,9 @@ import http.server
 import io
 import itertools
 import pickle
+import random
 import re
+import signal
 import tarfile
 import threading
 
@@ -18,7 +20,9 @@ import torch
 import make_cifar_shards
 import train_wds_cifar as wds_cifar
 import utils
-from conftest import COLOURS, make_cifar_python, make_image_folder, read_json, run_script
+from conftest import (COLOURS, assert_same_training, finish, kill_during_save, make_cifar_python,
+                      make_image_folder, read_json, run_and_signal, run_script, start_script,
+                      training_losses)
 
 
 @pytest.fixture(scope='module')
@@ -172,6 +176,22 @@ def test_same_seed_and_epoch_give_the_same_batches(shards):
   assert not all(torch.equal(a, b) for a, b in zip(first, epoch_batches(2)))
 
 
+@pytest.mark.parametrize('num_workers', [0, 1, 3])
+def test_resumed_stream_gives_the_batches_after_the_skip(shards, num_workers):
+  train = [str(p) for p in sorted((shards / 'shards').glob('cifar-train-*.tar'))]
+  def batches(skip, steps):
+    dataset = wds_cifar.TrainShards(train, 1, 2, 8, shuffle_buffer=40, seed=5, strict=True)
+    dataset.epoch, dataset.skip = 2, skip
+    capped = utils.CappedLoader(wds_cifar.CountedBatches(torch.utils.data.DataLoader(
+        dataset, batch_size=None, num_workers=num_workers)), steps)
+    capped.start = skip
+    return [torch.cat([images.flatten(), labels]) for images, labels in capped]
+  whole = batches(0, 30)
+  assert len(whole) == 30
+  for skip in [1, 2, 3, 4, 5, 13, 29]:
+    assert torch.equal(torch.stack(batches(skip, 30)), torch.stack(whole[skip:])), skip
+
+
 def truncated_copy(src, dst):
   data = src.read_bytes()
   dst.write_bytes(data[:len(data) // 2 + 100])
@@ -267,9 +287,9 @@ def test_trains_over_http_to_high_accuracy(http_shards, tmp_path):
   assert re.search(r'^Total train time: [\d.]+ s$', result.stdout, re.M)
   counts = results['compilations_after_epoch']
   assert counts[0] == counts[1] == counts[2]
-  assert re.search(r'^Saved checkpoint \S+best\.pt$', result.stdout, re.M)
+  assert re.search(r'^Saved checkpoint \S+ckpt-00000090\.pt$', result.stdout, re.M)
   best = torch.load(tmp_path / 'ckpt' / 'best.pt', weights_only=True)
-  assert best['accuracy'] == results['max_accuracy']
+  assert best['results']['final_accuracy'] == results['max_accuracy']
 
 
 def test_bad_test_shard_is_fatal_with_the_flag(shards, tmp_path):
@@ -309,3 +329,33 @@ def test_bad_input_is_one_clear_line_and_exit_2(shards, case):
   assert 'Traceback' not in result.stderr
   errors = [l for l in result.stderr.splitlines() if l.startswith('error: ')]
   assert len(errors) == 1 and re.search(message, errors[0]), result.stderr
+
+
+def test_killed_mid_save_and_stopped_run_ends_bitwise_equal(shards, tmp_path):
+  args = ['--wds_traindir', shards / 'shards' / 'cifar-train-{000000..000009}.tar',
+          '--trainsize', 480, '--wds_testdir', shards / 'shards' / 'cifar-test-{000000..000003}.tar',
+          '--testsize', 200, '--batch_size', 8, '--test_set_batch_size', 16, '--num_epochs', 2,
+          '--num_steps', 5, '--num_workers', 3, '--shuffle_buffer', 40, '--log_steps', 1,
+          '--lr', 0.05, '--ckpt_every_steps', 2]
+  reference = start_script('train_wds_cifar.py', *args, '--ckpt_dir', tmp_path / 'reference')
+  ckpt_dir = tmp_path / 'ckpt'
+  run = args + ['--ckpt_dir', ckpt_dir]
+  # SIGKILL while the k-th checkpoint is written: the (k-1)-th must be intact.
+  saves = random.Random().randrange(1, 4)
+  code, out = kill_during_save('train_wds_cifar.py', run, ckpt_dir, after_saves=saves)
+  assert code == -signal.SIGKILL, out
+
+  # SIGTERM to every process (a VM shutting down), loader workers included.
+  code, out = run_and_signal('train_wds_cifar.py', run, 1, signal.SIGTERM)
+  assert code == 75, f'killed during save {saves + 1}\n{out}'
+  assert re.search(r'^Resumed from \S+ at epoch \d step \d$', out, re.M), out
+  assert re.search(r'^Stopped by SIGTERM at epoch \d step \d: saved ', out, re.M), out
+
+  result = run_script('train_wds_cifar.py', *run)
+  assert result.returncode == 0, result.stdout + result.stderr
+  assert re.search(r'^Resumed from \S+ at epoch \d step \d$', result.stdout, re.M)
+  code, reference_out = finish(reference)
+  assert code == 0, reference_out
+  resumed, uninterrupted = training_losses(result.stdout), training_losses(reference_out)
+  assert resumed and all(uninterrupted[key] == loss for key, loss in resumed.items())
+  assert_same_training(ckpt_dir, tmp_path / 'reference')

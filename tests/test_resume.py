@@ -1,0 +1,163 @@
+"""Checkpoints, exact resume and SIGTERM in train_single_core.py, end to end on XLA:CPU.
+
+A run is interrupted at a random step (SIGKILL), stopped by SIGTERM, killed in the middle
+of writing a checkpoint, and restarted each time with the same command; it must end with
+weights bitwise equal to a run that was never interrupted.
+"""
+
+import pickle
+import random
+import re
+import shutil
+import signal
+
+import pytest
+import torch
+
+from conftest import (assert_same_training, finish, kill_during_save, make_image_folder,
+                      read_json, run_and_signal, run_script, start_script, training_losses)
+
+SCRIPT = 'train_single_core.py'
+EPOCHS, STEPS = 2, 8  # 16 steps in all
+
+
+def flags(data, ckpt_dir, *extra):
+  # Random crops and flips, two loader workers: the batches of a resumed run must still match.
+  return ['--datadir', data, '--model', 'resnet18', '--img_dim', 24, '--batch_size', 8,
+          '--test_set_batch_size', 4, '--num_epochs', EPOCHS, '--num_steps', STEPS,
+          '--log_steps', 1, '--num_workers', 2, '--lr', 0.05, '--ckpt_dir', ckpt_dir,
+          '--ckpt_every_steps', 3, *extra]
+
+
+@pytest.fixture(scope='module')
+def data(tmp_path_factory):
+  root = tmp_path_factory.mktemp('data')
+  make_image_folder(root, 'train', 20, size=28, seed=1)
+  make_image_folder(root, 'val', 2, size=28, seed=2)
+  return root
+
+
+@pytest.fixture(scope='module')
+def reference(data, tmp_path_factory):
+  """An uninterrupted run: (its checkpoint folder, its output)."""
+  ckpt_dir = tmp_path_factory.mktemp('reference')
+  result = run_script(SCRIPT, *flags(data, ckpt_dir))
+  assert result.returncode == 0, result.stdout + result.stderr
+  return ckpt_dir, result.stdout
+
+
+def assert_same_losses(resumed_output, reference_output):
+  ours, theirs = training_losses(resumed_output), training_losses(reference_output)
+  assert ours and all(theirs[key] == loss for key, loss in ours.items()), (ours, theirs)
+
+
+def test_killed_stopped_and_killed_mid_save_run_ends_bitwise_equal(data, reference, tmp_path):
+  ckpt_dir = tmp_path / 'ckpt'
+  kill_step = random.Random().randrange(1, 6)
+  code, out = run_and_signal(SCRIPT, flags(data, ckpt_dir), kill_step, signal.SIGKILL)
+  assert code == -signal.SIGKILL, out
+
+  code, out = run_and_signal(SCRIPT, flags(data, ckpt_dir), 1, signal.SIGTERM)
+  assert code == 75, f'kill at step {kill_step}\n{out}'
+  stopped = re.search(r'^Stopped by SIGTERM at epoch (\d+) step (\d+): saved (\S+); run the '
+                      r'same command to resume \(exit code 75\)$', out, re.M)
+  assert stopped, out
+  assert_same_losses(out, reference[1])
+  saved = torch.load(stopped.group(3), weights_only=True)
+  assert (saved['epoch'], saved['step']) == (int(stopped.group(1)), int(stopped.group(2)))
+
+  code, out = kill_during_save(SCRIPT, flags(data, ckpt_dir), ckpt_dir, after_saves=1)
+  assert code == -signal.SIGKILL, out
+  assert any('.pt.tmp' in p.name for p in ckpt_dir.iterdir())  # Killed while writing.
+
+  result = run_script(SCRIPT, *flags(data, ckpt_dir, '--results_json', tmp_path / 'r.json'))
+  assert result.returncode == 0, result.stdout + result.stderr
+  resumed = re.search(r'^Resumed from (\S+) at epoch (\d+) step (\d+)$', result.stdout, re.M)
+  assert resumed, result.stdout
+  assert not any('.pt.tmp' in p.name for p in ckpt_dir.iterdir())
+  assert_same_losses(result.stdout, reference[1])
+  assert_same_training(ckpt_dir, reference[0])
+  results = read_json(tmp_path / 'r.json')
+  assert results['train_steps'] == EPOCHS * STEPS and results['epochs'] == EPOCHS
+  # Two newest checkpoints and best.pt are kept.
+  names = sorted(p.name for p in ckpt_dir.iterdir())
+  assert names == ['best.pt', 'ckpt-00000015.pt', 'ckpt-00000016.pt'], names
+
+  result = run_script(SCRIPT, *flags(data, ckpt_dir))
+  assert result.returncode == 0, result.stdout + result.stderr
+  assert re.search(r'^Run already finished: \S+ckpt-00000016.pt is the end of epoch 2 '
+                   r'\(--num_epochs 2\)$', result.stdout, re.M), result.stdout
+  assert 'Training' not in result.stdout
+
+
+def test_truncated_newest_checkpoint_falls_back_to_the_previous(reference, data, tmp_path):
+  ckpt_dir = tmp_path / 'ckpt'
+  shutil.copytree(reference[0], ckpt_dir)
+  newest = ckpt_dir / 'ckpt-00000016.pt'
+  newest.write_bytes(newest.read_bytes()[:100_000])
+  result = run_script(SCRIPT, *flags(data, ckpt_dir))
+  assert result.returncode == 0, result.stdout + result.stderr
+  warnings = [l for l in result.stderr.splitlines() if l.startswith('warning: checkpoint')]
+  assert len(warnings) == 1 and 'ckpt-00000016.pt cannot be read' in warnings[0], result.stderr
+  assert re.search(r'^Resumed from \S+ckpt-00000015.pt at epoch 2 step 7$', result.stdout, re.M)
+  assert_same_training(ckpt_dir, reference[0])
+
+
+class Payload:
+  """Stands for any object a pickle could smuggle in: it runs code when unpickled."""
+
+  def __reduce__(self):
+    return (print, ('this ran while loading a checkpoint',))
+
+
+def test_checkpoint_holding_other_objects_is_refused(reference, data, tmp_path):
+  ckpt_dir = tmp_path / 'ckpt'
+  shutil.copytree(reference[0], ckpt_dir)
+  state = torch.load(ckpt_dir / 'ckpt-00000016.pt', weights_only=True)
+  state['flags'] = Payload()
+  torch.save(state, ckpt_dir / 'ckpt-00000099.pt', pickle_protocol=pickle.HIGHEST_PROTOCOL)
+
+  result = run_script(SCRIPT, *flags(data, ckpt_dir, '--resume', ckpt_dir / 'ckpt-00000099.pt'))
+  assert result.returncode == 2, result.stdout + result.stderr
+  assert 'this ran' not in result.stdout + result.stderr
+  errors = [l for l in result.stderr.splitlines() if l.startswith('error: ')]
+  assert len(errors) == 1 and re.search(r'--resume: checkpoint \S+ckpt-00000099.pt holds objects '
+                                        r'other than tensors and plain values', errors[0])
+
+  # Found in --ckpt_dir, it is reported and passed over for the newest good one.
+  result = run_script(SCRIPT, *flags(data, ckpt_dir))
+  assert result.returncode == 0, result.stdout + result.stderr
+  assert 'this ran' not in result.stdout + result.stderr
+  assert re.search(r'^warning: checkpoint \S+ckpt-00000099.pt holds objects', result.stderr, re.M)
+  assert 'Run already finished' in result.stdout
+
+
+def test_checkpoint_of_another_model_is_one_clear_line(reference, data, tmp_path):
+  ckpt_dir = tmp_path / 'ckpt'
+  shutil.copytree(reference[0], ckpt_dir)
+  before = (ckpt_dir / 'ckpt-00000016.pt').read_bytes()
+  result = run_script(SCRIPT, *flags(data, ckpt_dir, '--model', 'resnet34'))
+  assert result.returncode == 2, result.stdout + result.stderr
+  errors = [l for l in result.stderr.splitlines() if l.startswith('error: ')]
+  assert len(errors) == 1 and re.search(
+      r'checkpoint \S+ckpt-00000016.pt was made for another model or number of classes than '
+      r'--model resnet34 with 4 classes \(\d+ of its weights are missing', errors[0]), errors
+  assert 'Traceback' not in result.stderr
+  assert (ckpt_dir / 'ckpt-00000016.pt').read_bytes() == before
+
+
+def test_fake_data_run_resumes_exactly(tmp_path):
+  args = ['--fake_data', '--model', 'resnet18', '--img_dim', 16, '--batch_size', 4,
+          '--test_set_batch_size', 4, '--num_epochs', 2, '--num_steps', 4, '--log_steps', 1,
+          '--ckpt_every_steps', 1]
+  reference = start_script(SCRIPT, *args, '--ckpt_dir', tmp_path / 'reference')
+  kill_step = random.Random().randrange(1, 7)
+  code, out = run_and_signal(SCRIPT, args + ['--ckpt_dir', tmp_path / 'ckpt'], kill_step,
+                             signal.SIGKILL)
+  assert code == -signal.SIGKILL, out
+  result = run_script(SCRIPT, *args, '--ckpt_dir', tmp_path / 'ckpt')
+  assert result.returncode == 0, result.stdout + result.stderr
+  assert 'Resumed from' in result.stdout, f'kill at step {kill_step}\n{result.stdout}'
+  code, out = finish(reference)
+  assert code == 0, out
+  assert_same_training(tmp_path / 'ckpt', tmp_path / 'reference')
