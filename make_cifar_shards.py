@@ -23,7 +23,6 @@ import tarfile
 import fsspec
 import numpy as np
 from absl import app, flags
-from PIL import Image
 
 import utils
 

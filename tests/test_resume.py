@@ -14,8 +14,8 @@ import signal
 import pytest
 import torch
 
-from conftest import (assert_same_training, finish, kill_during_save, make_image_folder,
-                      read_json, run_and_signal, run_script, start_script, training_losses)
+from conftest import (assert_same_training, kill_during_save, make_image_folder, read_json,
+                      run_and_signal, run_script, training_losses)
 
 SCRIPT = 'train_single_core.py'
 EPOCHS, STEPS = 2, 8  # 16 steps in all
@@ -144,20 +144,3 @@ def test_checkpoint_of_another_model_is_one_clear_line(reference, data, tmp_path
       r'--model resnet34 with 4 classes \(\d+ of its weights are missing', errors[0]), errors
   assert 'Traceback' not in result.stderr
   assert (ckpt_dir / 'ckpt-00000016.pt').read_bytes() == before
-
-
-def test_fake_data_run_resumes_exactly(tmp_path):
-  args = ['--fake_data', '--model', 'resnet18', '--img_dim', 16, '--batch_size', 4,
-          '--test_set_batch_size', 4, '--num_epochs', 2, '--num_steps', 4, '--log_steps', 1,
-          '--ckpt_every_steps', 1]
-  reference = start_script(SCRIPT, *args, '--ckpt_dir', tmp_path / 'reference')
-  kill_step = random.Random().randrange(1, 7)
-  code, out = run_and_signal(SCRIPT, args + ['--ckpt_dir', tmp_path / 'ckpt'], kill_step,
-                             signal.SIGKILL)
-  assert code == -signal.SIGKILL, out
-  result = run_script(SCRIPT, *args, '--ckpt_dir', tmp_path / 'ckpt')
-  assert result.returncode == 0, result.stdout + result.stderr
-  assert 'Resumed from' in result.stdout, f'kill at step {kill_step}\n{result.stdout}'
-  code, out = finish(reference)
-  assert code == 0, out
-  assert_same_training(tmp_path / 'ckpt', tmp_path / 'reference')

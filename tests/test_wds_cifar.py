@@ -312,6 +312,8 @@ BAD_INPUTS = {
                                        r'workers'),
     'not a resnet': (lambda s: ['--model', 'vgg11'], r'--model=vgg11.*not a torchvision ResNet'),
     'missing trainsize': (lambda s: ['--trainsize', None], r'--trainsize must be given'),
+    'unwritable ckpt_dir': (lambda s: ['--ckpt_dir', s / 'shards' / 'cifar-test-000000.tar' / 'ckpt'],
+                            r'cannot write checkpoints to --ckpt_dir \S+cifar-test-000000.tar/ckpt'),
 }
 
 
