@@ -227,8 +227,8 @@ def train(cfg):
 
   results = dict(model=cfg.model, world_size=world_size, epochs=0, train_steps=0,
                  max_accuracy=0.0, final_accuracy=0.0, eval_correct=0, eval_samples=0,
-                 epoch_rates=[], compilations_after_epoch=[], train_seconds=0.0,
-                 bf16=os.environ.get('XLA_USE_BF16') == '1')
+                 epoch_rates=[], epoch_device_busy=[], compilations_after_epoch=[],
+                 train_seconds=0.0, bf16=os.environ.get('XLA_USE_BF16') == '1')
   first_epoch, first_step = 1, 0
   path, state = resume_checkpoint(cfg)
   if state is not None:
@@ -247,13 +247,14 @@ def train(cfg):
       sampler.set_epoch(epoch, skip=first_step * cfg.batch_size)
     train_loader.start = first_step
     xm.master_print(f'Epoch {epoch} train begin {utils.now()}')
-    start = time.time()
+    start, executed = time.time(), utils.execute_seconds()
     steps, stopped = train_one_epoch(model, optimizer, scheduler, train_device_loader, epoch,
                                      first_step, results['train_steps'], cfg, writer, stop,
                                      checkpoint)
     train_loader.check()
     xm.wait_device_ops()  # Time the device work, not just the tracing.
     seconds = time.time() - start
+    busy = (utils.execute_seconds() - executed) / seconds  # Device time / wall time.
     results['train_steps'] += steps
     results['train_seconds'] += seconds
     if stopped:
@@ -275,6 +276,7 @@ def train(cfg):
                    eval_samples=total, max_accuracy=max(results['max_accuracy'], accuracy))
     if steps:
       results['epoch_rates'].append(rate)
+      results['epoch_device_busy'].append(busy)
     results['compilations_after_epoch'].append(utils.compile_count())
     if cfg.ckpt_dir:
       checkpoint(epoch + 1, 0, results['train_steps'], best=best)
@@ -357,3 +359,4 @@ elif __name__ == '__mp_main__':
   # A replica process of torch_xla.launch imports this file in its main thread, the only
   # one that may catch a signal; train() runs in another thread.
   utils.stop_on_sigterm()
+  utils.exit_with_launcher()

@@ -184,8 +184,8 @@ def train(cfg):
   test_device_loader = pl.MpDeviceLoader(test_loader, device, **prefetch)
 
   results = dict(model=cfg.model, epochs=0, train_steps=0, max_accuracy=0.0, final_accuracy=0.0,
-                 eval_correct=0, eval_samples=0, epoch_rates=[], compilations_after_epoch=[],
-                 train_seconds=0.0, bf16=os.environ.get('XLA_USE_BF16') == '1')
+                 eval_correct=0, eval_samples=0, epoch_rates=[], epoch_device_busy=[],
+                 compilations_after_epoch=[], train_seconds=0.0, bf16=os.environ.get('XLA_USE_BF16') == '1')
   first_epoch, first_step = 1, 0
   path, state = utils.find_checkpoint(cfg.resume, cfg.ckpt_dir)
   if state is not None:
@@ -203,12 +203,13 @@ def train(cfg):
       sampler.set_epoch(epoch, skip=first_step * cfg.batch_size)
     train_loader.start = first_step
     print(f'Epoch {epoch} train begin {utils.now()}', flush=True)
-    start = time.time()
+    start, executed = time.time(), utils.execute_seconds()
     steps, stopped = train_one_epoch(model, optimizer, train_device_loader, epoch, first_step,
                                      results['train_steps'], cfg, writer, stop, checkpoint)
     train_loader.check()
     xm.wait_device_ops()  # Time the device work, not just the tracing.
     seconds = time.time() - start
+    busy = (utils.execute_seconds() - executed) / seconds  # Device time / wall time.
     results['train_steps'] += steps
     results['train_seconds'] += seconds
     if stopped:
@@ -227,6 +228,7 @@ def train(cfg):
                    eval_samples=total, max_accuracy=max(results['max_accuracy'], accuracy))
     if steps:
       results['epoch_rates'].append(steps * cfg.batch_size / seconds)
+      results['epoch_device_busy'].append(busy)
     results['compilations_after_epoch'].append(utils.compile_count())
     if cfg.ckpt_dir:
       checkpoint(epoch + 1, 0, results['train_steps'], best=best)

@@ -356,6 +356,13 @@ def write_scalars(writer, step, scalars):
       writer.add_scalar(name, value, step)
 
 
+def execute_seconds():
+  """Seconds this process's XLA graphs have spent executing (torch_xla's ExecuteTime)."""
+  import torch_xla.debug.metrics as met
+  data = met.metric_data('ExecuteTime')
+  return data[1] / 1e9 if data else 0.0
+
+
 def compile_count():
   """XLA graphs compiled so far by this process (torch_xla's CompileTime metric)."""
   import torch_xla.debug.metrics as met  # Here, so that scripts without a device skip it.
@@ -602,6 +609,20 @@ def _forward_sigterm(signum, frame):
     sys.exit(128 + signum)  # No replica has started: nothing to save.
   for process in replicas:
     os.kill(process.pid, signum)
+
+
+def exit_with_launcher():
+  """In a replica process started by torch_xla.launch: exit as soon as the launching
+  process is gone. A launcher killed with SIGKILL cannot stop its replicas, which would
+  otherwise train on, holding the TPU, with nobody to read their output."""
+  launcher = multiprocessing.parent_process()
+  if launcher is not None:
+    threading.Thread(target=_exit_when_gone, args=(launcher,), daemon=True).start()
+
+
+def _exit_when_gone(launcher):
+  launcher.join()
+  os._exit(128 + signal.SIGKILL)
 
 
 class StopRequest:

@@ -144,6 +144,7 @@ def run_and_signal(script, args, at_step, sig, group=True):
         (os.killpg if group else os.kill)(process.pid, sig)
         break
   code, rest = finish(process)
+  # finish() read the output to its end: no process of the run holds it open any more.
   return code, ''.join(lines) + rest
 
 

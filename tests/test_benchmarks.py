@@ -5,9 +5,16 @@ import re
 from conftest import run_script
 
 
-def test_input_pipeline_benchmark_prints_its_table():
-  result = run_script('benchmarks/input_pipeline.py', '--quick', timeout=300)
+def test_benchmark_prints_its_tables():
+  result = run_script('benchmarks/training.py', '--quick', timeout=900)
   assert result.returncode == 0, result.stderr[-3000:]
-  rows = re.findall(r'^\| (\d+) \| [\d,]+ \| [\d,]+ \| [\d,]+ \| [\d,]+ \| [\d.]+x \|$',
-                    result.stdout, re.M)
-  assert rows == ['0', '2']
+  out = result.stdout
+  scripts = re.findall(r'^\| (\S+) \| [^|]+ \| [\d,.]+ \| [\d.]+% \| \d+ \| (\d+) \|$', out, re.M)
+  assert [s for s, _ in scripts] == ['train_single_core.py', 'train_resnet_mp.py',
+                                     'train_wds_cifar.py']
+  assert re.search(r'^\| eager PyTorch, CPU \| fake \| [\d,.]+ \| \| \| \|$', out, re.M)
+  assert re.search(r'^\| resnet50 \+ momentum, size \| [\d,]+ MB \|$', out, re.M)
+  assert re.search(r'resumed at epoch 2 step 1: start to first new step \| [\d.]+ s \|$', out, re.M)
+  pipeline = re.findall(r'^\| (\d+) \| [\d,]+ \| [\d,]+ \| [\d,]+ \| [\d,]+ \| [\d.]+x \|$', out,
+                        re.M)
+  assert pipeline == ['0', '2']

@@ -144,7 +144,8 @@ def test_killed_stopped_and_killed_mid_save_run_ends_bitwise_equal(tmp_path):
   ckpt_dir = tmp_path / 'ckpt'
   run = args + ['--ckpt_dir', ckpt_dir]
   kill_step = random.Random().randrange(1, 5)
-  code, out = run_and_signal(SCRIPT, run, kill_step, signal.SIGKILL)
+  # SIGKILL to the command alone: its replica must not train on without it.
+  code, out = run_and_signal(SCRIPT, run, kill_step, signal.SIGKILL, group=False)
   assert code == -signal.SIGKILL, out
 
   # SIGTERM to the command alone (`kill PID`): it passes it on to the replica.

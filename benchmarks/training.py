@@ -1,0 +1,230 @@
+"""Training loop benchmarks: what transfers from XLA:CPU to a TPU, taken side by side.
+
+Runs each training script as a user would (a fresh process, --results_json) and prints
+markdown tables:
+  1. steady-state training samples/s (the last epoch) of each script, and the same step
+     in plain eager PyTorch on the CPU as a reference point;
+  2. graphs compiled per run and after the first epoch (must be zero), with fake data and
+     with image folders whose sizes do not divide the batch;
+  3. host overhead: the share of the steady-state epoch's wall time not covered by graph
+     execution (torch_xla's ExecuteTime), i.e. time the device would wait for the host;
+  4. checkpoints: save and load time and size for resnet50, and how long a resumed run
+     takes to its first new step against a fresh run;
+  5. the input pipeline table of benchmarks/input_pipeline.py.
+
+  python benchmarks/training.py            # about 7 minutes on 2 cores
+  python benchmarks/training.py --quick    # a smoke test: tiny runs, same tables
+"""
+
+import json
+import os
+import pathlib
+import platform
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+import torchvision
+from absl import app, flags
+from PIL import Image
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+import make_cifar_shards  # noqa: E402
+
+FLAGS = flags.FLAGS
+flags.DEFINE_bool('quick', False, 'A few steps per run: checks that the benchmark works.')
+flags.DEFINE_string('bench_model', 'resnet18', 'Model of the fake-data and folder runs.')
+flags.DEFINE_integer('bench_img_dim', 32, 'Image side of the fake-data and folder runs.')
+flags.DEFINE_integer('bench_batch_size', 16, 'Batch size of every run.')
+
+TRAIN_LINE = re.compile(r'^\| Training .* Step=(\d+) ', re.M)
+
+
+def start(script, args):
+  env = dict(os.environ, PJRT_DEVICE=os.environ.get('PJRT_DEVICE', 'CPU'), PYTHONUNBUFFERED='1')
+  return subprocess.Popen([sys.executable, str(REPO / script), *map(str, args)], cwd=REPO,
+                          env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                          start_new_session=True)
+
+
+def run(script, *args):
+  """(results dict, seconds from start to the first training line) of one run of a training
+  script on XLA:CPU, as a user runs it."""
+  with tempfile.TemporaryDirectory() as tmp:
+    out = pathlib.Path(tmp, 'results.json')
+    began, first = time.time(), None
+    proc = start(script, [*args, '--results_json', out])
+    for line in proc.stdout:
+      if first is None and TRAIN_LINE.match(line):
+        first = time.time() - began
+    if proc.wait() != 0:
+      sys.exit(f'{script} {" ".join(map(str, args))} failed with exit code {proc.returncode}')
+    return json.loads(out.read_text()), first
+
+
+def eager_rate(model_name, img_dim, batch_size, steps):
+  """Samples/s of the same SGD step in eager PyTorch on the CPU (after 2 warm-up steps)."""
+  torch.manual_seed(0)
+  model = torchvision.models.get_model(model_name, weights=None, num_classes=1000)
+  optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
+  images = torch.zeros(batch_size, 3, img_dim, img_dim)
+  labels = torch.zeros(batch_size, dtype=torch.int64)
+  for i in range(steps + 2):
+    if i == 2:
+      start = time.perf_counter()
+    optimizer.zero_grad()
+    F.cross_entropy(model(images), labels).backward()
+    optimizer.step()
+  return steps * batch_size / (time.perf_counter() - start)
+
+
+def image_folder(root, train, val, classes=4):
+  rng = np.random.default_rng(0)
+  for split, count in (('train', train), ('val', val)):
+    for i in range(count):
+      folder = root / split / f'class{i % classes}'
+      folder.mkdir(parents=True, exist_ok=True)
+      Image.fromarray(rng.integers(0, 256, (40, 40, 3), dtype=np.uint8)).save(folder / f'{i}.png')
+  return root
+
+
+def cifar_shards(root, train, test):
+  rng = np.random.default_rng(0)
+  patterns = []
+  for split, count in (('train', train), ('test', test)):
+    images = rng.integers(0, 256, (count, 32, 32, 3), dtype=np.uint8)
+    labels = rng.integers(0, 10, count)
+    urls = make_cifar_shards.write_shards(images, labels, range(count),
+                                          str(root / f'cifar-{split}-%06d.tar'),
+                                          samples_per_shard=max(1, count // 8))
+    patterns.append(f'{root}/cifar-{split}-{{000000..{len(urls) - 1:06d}}}.tar')
+  return patterns
+
+
+def first_step_seconds(script, args):
+  """Seconds from the start of a run to its first training line, and its output so far."""
+  began, lines = time.time(), []
+  proc = start(script, args)
+  for line in proc.stdout:
+    lines.append(line)
+    if TRAIN_LINE.match(line):
+      break
+  seconds = time.time() - began
+  os.killpg(proc.pid, signal.SIGKILL)  # The run's replica and loader workers too.
+  proc.communicate()
+  return seconds, ''.join(lines)
+
+
+def checkpoint_costs(tmp):
+  """resnet50 checkpoint on XLA:CPU: (save seconds, load seconds, MB)."""
+  import torch_xla
+  import torch_xla.core.xla_model as xm
+  import utils
+  device = torch_xla.device()
+  model = torchvision.models.resnet50(num_classes=1000).to(device)
+  optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+  images = torch.zeros(2, 3, 32, 32, device=device)
+  labels = torch.zeros(2, dtype=torch.int64, device=device)
+  F.cross_entropy(model(images), labels).backward()
+  xm.optimizer_step(optimizer)  # Momentum buffers exist, as in a real checkpoint.
+  torch_xla.sync()
+  xm.wait_device_ops()
+  state = lambda: dict(model=model.state_dict(), optimizer=optimizer.state_dict(),  # noqa: E731
+                       lr_scheduler=None, epoch=1, step=1, global_step=1, rng=utils.rng_state(),
+                       flags={}, results={})
+  start = time.perf_counter()
+  path = utils.save_checkpoint(state(), str(tmp / 'ckpt'), keep=2, best=False)
+  save = time.perf_counter() - start
+  start = time.perf_counter()
+  loaded = utils.load_checkpoint(path)
+  utils.restore(loaded, path, model, optimizer, None, {'model': 'resnet50'}, 1000)
+  xm.wait_device_ops()
+  load = time.perf_counter() - start
+  return save, load, os.path.getsize(path) / 1e6
+
+
+def main(argv):
+  del argv
+  quick = FLAGS.quick
+  epochs, steps = (2, 3) if quick else (2, 40)
+  model, img_dim, batch = FLAGS.bench_model, FLAGS.bench_img_dim, FLAGS.bench_batch_size
+  common = ['--model', model, '--img_dim', img_dim, '--batch_size', batch, '--test_set_batch_size',
+            batch, '--num_epochs', epochs, '--log_steps', 1000]
+  rows = []
+  with tempfile.TemporaryDirectory() as tmp:
+    tmp = pathlib.Path(tmp)
+    # Sizes that divide neither batch: a partial training batch is dropped, a partial
+    # evaluation batch padded; neither may compile a graph after epoch 1.
+    folder = image_folder(tmp / 'folder', train=(steps + 1) * batch + 5, val=2 * batch + 3)
+    train_pattern, test_pattern = cifar_shards(tmp / 'shards', train=(steps + 1) * batch,
+                                               test=2 * batch + 3)
+    wds_args = ['--wds_traindir', train_pattern, '--trainsize', (steps + 1) * batch,
+                '--wds_testdir', test_pattern, '--testsize', 2 * batch + 3, '--num_steps', steps,
+                '--num_workers', 2, '--batch_size', batch, '--test_set_batch_size', batch,
+                '--num_epochs', epochs, '--log_steps', 1000, '--ckpt_dir', tmp / 'ckpt']
+    runs = [
+        ('train_single_core.py', 'fake', ['--fake_data', '--num_steps', steps, *common]),
+        ('train_resnet_mp.py', 'fake', ['--fake_data', '--num_steps', steps, *common]),
+        ('train_single_core.py', 'image folder', ['--datadir', folder, '--num_workers', 2,
+                                                  *common]),
+        ('train_resnet_mp.py', 'image folder', ['--datadir', folder, '--num_workers', 2,
+                                                *common]),
+        # Checkpoints too (every epoch end and at step steps - 1), for the resume below.
+        ('train_wds_cifar.py', 'shards, CIFAR stem', [*wds_args, '--ckpt_every_steps', steps - 1]),
+    ]
+    if quick:  # The folder runs take the same path as the fake ones.
+      runs = [r for r in runs if r[1] != 'image folder']
+    first_step = {}
+    for script, data, args in runs:
+      results, first_step[script] = run(script, *args)
+      compiled = results['compilations_after_epoch']
+      rows.append((script, data, results['epoch_rates'][-1], 1 - results['epoch_device_busy'][-1],
+                   results['compilations'], compiled[-1] - compiled[0]))
+
+    # A resumed shard stream reads the samples of the batches it skips, the costliest
+    # skip: resume from the mid-epoch checkpoint of the last epoch (the last run's).
+    os.remove(tmp / 'ckpt' / f'ckpt-{epochs * steps:08d}.pt')
+    resumed, out = first_step_seconds('train_wds_cifar.py', [*wds_args, '--log_steps', 1])
+    resumed_at = re.search(r'Resumed from \S+ at epoch (\d+) step (\d+)', out)
+    save, load, size = checkpoint_costs(tmp)
+    # After the XLA runtime is up: autograd sizes its device queues at the first backward.
+    eager = eager_rate(model, img_dim, batch, 3 if quick else 20)
+
+  print(f'Training on XLA:CPU, {platform.processor() or platform.machine()}, '
+        f'{os.cpu_count()} cores; {model} at {img_dim} px, batch {batch}, {epochs} epochs of '
+        f'{steps} steps; rates are the last epoch\'s')
+  print()
+  print('| script | data | samples/s | host overhead | graphs compiled | compiled after epoch 1 |')
+  print('| --- | --- | --- | --- | --- | --- |')
+  for script, data, rate, overhead, compiled, later in rows:
+    print(f'| {script} | {data} | {rate:,.1f} | {overhead:.1%} | {compiled} | {later} |')
+  print(f'| eager PyTorch, CPU | fake | {eager:,.1f} | | | |')
+  print()
+  print('| checkpoint | value |')
+  print('| --- | --- |')
+  print(f'| resnet50 + momentum, size | {size:,.0f} MB |')
+  print(f'| save (device to host, serialise, write, rename) | {save:.2f} s |')
+  print(f'| load (read, check, copy to the device) | {load:.2f} s |')
+  where = f'epoch {resumed_at.group(1)} step {resumed_at.group(2)}' if resumed_at else '?'
+  print(f'| train_wds_cifar.py, fresh run: start to first step | {first_step["train_wds_cifar.py"]:.1f} s |')
+  print(f'| train_wds_cifar.py, resumed at {where}: start to first new step | {resumed:.1f} s |')
+
+  print()
+  # The input pipeline has its own script (it imports train_wds_cifar, whose flags would
+  # clash with these).
+  pipeline = subprocess.run([sys.executable, str(REPO / 'benchmarks' / 'input_pipeline.py'),
+                             *(['--quick'] if quick else [])], cwd=REPO, capture_output=True,
+                            text=True)
+  print(pipeline.stdout.strip() if pipeline.returncode == 0 else
+        f'input_pipeline.py failed:\n{pipeline.stderr[-3000:]}')
+
+
+if __name__ == '__main__':
+  app.run(main)
