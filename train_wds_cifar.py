@@ -413,21 +413,6 @@ def save_checkpoint(cfg, model, optimizer, scheduler, results, epoch, step, glob
   return utils.save_checkpoint(state, cfg.ckpt_dir, cfg.keep_checkpoints, best)
 
 
-def resume_checkpoint(cfg):
-  """(path, state) of the checkpoint to resume from, the same on every replica: the master
-  chooses (reporting unreadable ones), the others load what it chose."""
-  path, state = (utils.find_checkpoint(cfg.resume, cfg.ckpt_dir) if xm.is_master_ordinal()
-                 else (None, None))
-  path = xm.mesh_reduce('resume_from', path, lambda paths: paths[0])
-  if path is not None and state is None:
-    try:
-      state = utils.load_checkpoint(path)
-    except utils.CheckpointError as e:
-      raise utils.UsageError(f'{e}: on a pod, --ckpt_dir must be one place every host reads '
-                             '(e.g. gs://bucket/run)') from None
-  return path, state
-
-
 def train(cfg):
   """The whole run of one replica; returns the results dict that --results_json writes."""
   stop = utils.StopRequest()
@@ -459,7 +444,7 @@ def train(cfg):
                  skipped_bad_data=0, repeated_samples=0, train_seconds=0.0,
                  bf16=os.environ.get('XLA_USE_BF16') == '1')
   first_epoch, first_step = 1, 0
-  path, state = resume_checkpoint(cfg)
+  path, state = utils.replica_checkpoint(cfg.resume, cfg.ckpt_dir)
   if state is not None:
     first_epoch, first_step, results = utils.restore(
         state, path, model, optimizer, scheduler, vars(cfg), cfg.num_classes,
@@ -549,6 +534,7 @@ def stop_run(cfg, checkpoint, results, epoch, step):
 def _mp_fn(index, flag_values):
   """One replica. flag_values is a plain dict: absl's FLAGS do not cross the spawn."""
   del index  # The global ordinal comes from the runtime.
+  utils.exit_with_launcher()
   cfg = SimpleNamespace(**flag_values)
   try:
     results = train(cfg)
@@ -604,4 +590,3 @@ elif __name__ == '__mp_main__':
   # A replica process of torch_xla.launch imports this file in its main thread, the only
   # one that may catch a signal; train() runs in another thread.
   utils.stop_on_sigterm()
-  utils.exit_with_launcher()

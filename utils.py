@@ -529,6 +529,21 @@ def find_checkpoint(resume, ckpt_dir):
   return None, None
 
 
+def replica_checkpoint(resume, ckpt_dir):
+  """find_checkpoint for the replicas of a run: the same (path, state) on every one. The
+  master chooses (reporting unreadable ones), the others load what it chose."""
+  import torch_xla.core.xla_model as xm
+  path, state = find_checkpoint(resume, ckpt_dir) if xm.is_master_ordinal() else (None, None)
+  path = xm.mesh_reduce('resume_from', path, lambda paths: paths[0])
+  if path is not None and state is None:
+    try:
+      state = load_checkpoint(path)
+    except CheckpointError as e:
+      raise UsageError(f'{e}: on a pod, --ckpt_dir must be one place every host reads '
+                       '(e.g. gs://bucket/run)') from None
+  return path, state
+
+
 def load_model_state(model, state_dict, path, model_name, num_classes):
   """Loads a checkpoint's weights, or a UsageError naming what differs, not a wall of keys."""
   ours = model.state_dict()
@@ -612,8 +627,8 @@ def _forward_sigterm(signum, frame):
 
 
 def exit_with_launcher():
-  """In a replica process started by torch_xla.launch: exit as soon as the launching
-  process is gone. A launcher killed with SIGKILL cannot stop its replicas, which would
+  """In a replica process started by torch_xla.launch (not while it imports the script:
+  the launcher is known from then on): exit as soon as the launching process is gone. A launcher killed with SIGKILL cannot stop its replicas, which would
   otherwise train on, holding the TPU, with nobody to read their output."""
   launcher = multiprocessing.parent_process()
   if launcher is not None:
