@@ -598,7 +598,9 @@ def set_rng_state(state):
 # -------------------------------------------------------------------------- stopping
 
 
-_SIGTERM = threading.Event()
+# A plain flag: a handler must take no lock, since a second SIGTERM (the launcher passing
+# one on after the VM sent one) can run it while the first is still inside it.
+_SIGTERM = [False]
 
 
 def stop_on_sigterm():
@@ -609,7 +611,7 @@ def stop_on_sigterm():
 
 
 def _on_sigterm(signum, frame):
-  _SIGTERM.set()
+  _SIGTERM[0] = True
 
 
 def forward_sigterm_to_replicas():
@@ -656,7 +658,7 @@ class StopRequest:
   @property
   def requested(self):
     """Whether this process got SIGTERM (see stop_on_sigterm)."""
-    return _SIGTERM.is_set()
+    return _SIGTERM[0]
 
   def agreed_after_step(self, device):
     """True when every replica stops after this step; call it once per step."""
