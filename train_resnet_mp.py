@@ -332,10 +332,7 @@ def main(argv):
       utils.check_checkpoint_dir(FLAGS.ckpt_dir)
   except utils.UsageError as e:
     utils.die(e)
-  if FLAGS.num_cores == 1:
-    utils.stop_on_sigterm()  # The replica is this process.
-  else:
-    utils.forward_sigterm_to_replicas()  # `kill PID` of this command reaches the replicas.
+  utils.forward_sigterm_to_replicas(single_process=FLAGS.num_cores == 1)
   torch_xla.launch(_mp_fn, args=(flag_values,), debug_single_process=FLAGS.num_cores == 1)
 
 

@@ -614,10 +614,11 @@ def _on_sigterm(signum, frame):
   _SIGTERM[0] = True
 
 
-def forward_sigterm_to_replicas():
+def forward_sigterm_to_replicas(single_process):
   """In the launching process: pass SIGTERM on to the replica processes, so that `kill PID`
-  of the command stops them at a step boundary too."""
-  signal.signal(signal.SIGTERM, _forward_sigterm)
+  of the command stops them at a step boundary too; with single_process the replica is
+  this process and takes it itself."""
+  signal.signal(signal.SIGTERM, _on_sigterm if single_process else _forward_sigterm)
 
 
 def _forward_sigterm(signum, frame):
