@@ -48,7 +48,8 @@ flags.DEFINE_integer('seed', 42, 'Seed of the weights and of the data order.')
 flags.DEFINE_bool('drop_last', True, 'Drop the last partial training batch (its new shape '
                   'would compile a new graph). Evaluation always counts every image.')
 flags.DEFINE_integer('num_workers', 8, 'DataLoader worker processes.', lower_bound=0)
-flags.DEFINE_bool('persistent_workers', False, 'Keep DataLoader workers between epochs.')
+flags.DEFINE_bool('persistent_workers', True, 'Keep DataLoader workers between epochs '
+                  '(--nopersistent_workers: start them anew each epoch).')
 flags.DEFINE_integer('prefetch_factor', None, 'Batches each worker loads ahead (needs workers).',
                      lower_bound=1)
 flags.DEFINE_integer('loader_prefetch_size', 8, 'Host batches MpDeviceLoader queues.', lower_bound=1)
@@ -208,6 +209,7 @@ def train(cfg):
                                      results['train_steps'], cfg, writer, stop, checkpoint)
     train_loader.check()
     xm.wait_device_ops()  # Time the device work, not just the tracing.
+    utils.flush_training_log()  # Its lines before the epoch's.
     seconds = time.time() - start
     busy = (utils.execute_seconds() - executed) / seconds  # Device time / wall time.
     results['train_steps'] += steps

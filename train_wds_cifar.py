@@ -186,38 +186,62 @@ def to_tensors(images, labels):
 
 
 class TrainShards(torch.utils.data.IterableDataset):
-  """Endless shuffled, augmented batches from this replica's shards of the epoch.
+  """This replica's shuffled, augmented batches of the epoch: `batches` of them.
 
   Each batch comes with counts: bad data skipped since the previous batch, and samples
-  read a second time because the worker's shards ran out (the loop takes as many batches
-  as the epoch needs, so every replica runs the same number of steps). Set .epoch, and
-  .skip to the batches a resumed run has trained, before iterating; loader workers start
-  anew each epoch and take them with them.
+  read a second time because the worker's shards ran out (the stream goes on over them
+  until the epoch has its batches, so every replica runs the same number of steps). Set
+  .epoch, and .skip to the batches a resumed run has trained, before each epoch's
+  iteration.
   """
 
-  def __init__(self, urls, rank, world_size, batch_size, shuffle_buffer, seed, strict):
+  def __init__(self, urls, rank, world_size, batch_size, batches, shuffle_buffer, seed, strict):
     self.urls, self.rank, self.world_size = urls, rank, world_size
-    self.batch_size, self.shuffle_buffer, self.seed, self.strict = (batch_size, shuffle_buffer,
-                                                                    seed, strict)
-    self.epoch, self.skip = 0, 0
+    self.batch_size, self.batches, self.shuffle_buffer = batch_size, batches, shuffle_buffer
+    self.seed, self.strict = seed, strict
+    # Epoch and skip in shared memory: loader workers live through the run (started by
+    # spawn in a replica, each costs seconds) and read them when each epoch begins.
+    self.state = torch.zeros(2, dtype=torch.int64).share_memory_()
+
+  @property
+  def epoch(self):
+    return int(self.state[0])
+
+  @epoch.setter
+  def epoch(self, epoch):
+    self.state[0] = epoch
+
+  @property
+  def skip(self):
+    return int(self.state[1])
+
+  @skip.setter
+  def skip(self, skip):
+    self.state[1] = skip
 
   def __iter__(self):
     info = torch.utils.data.get_worker_info()
     worker, num_workers = (info.id, info.num_workers) if info else (0, 1)
+    epoch, skip_to = self.epoch, self.skip
     shards = utils.shards_for(self.urls, self.rank, self.world_size, worker, num_workers,
-                              self.seed, self.epoch)
-    rng = np.random.default_rng([self.seed, self.epoch, self.rank, worker])  # Order, shuffle.
-    # The DataLoader takes batch i from worker i % num_workers. Of the batches a resumed
-    # run has trained, this worker made those below .skip in its turn: it reads their
-    # samples (the shuffle must go on the same) but does not augment or send them. A worker
-    # whose first turn falls below .skip sends None there, which CountedBatches drops, so
-    # that the batches after .skip come in their uninterrupted order.
-    skip = len(range(worker, self.skip, num_workers))
-    if worker < self.skip % num_workers:
+                              self.seed, epoch)
+    rng = np.random.default_rng([self.seed, epoch, self.rank, worker])  # Order, shuffle.
+    # The DataLoader takes batch i from worker i % num_workers: this worker makes its share
+    # of the epoch and stops, instead of reading on for batches nobody takes (and keeping
+    # the loader from shutting down until it has). Of the batches a resumed run has
+    # trained, it made those below .skip in its turn: it reads their samples (the shuffle
+    # must go on the same) but does not augment or send them. A worker whose first turn
+    # falls below .skip sends None there, which CountedBatches drops, so that the batches
+    # after .skip come in their uninterrupted order.
+    share = len(range(worker, self.batches, num_workers))
+    skip = len(range(worker, skip_to, num_workers))
+    if worker < skip_to % num_workers:
       yield None
     bad = [0]
     on_bad = bad_data_handler(self.strict, bad)
     buffer, batch, repeated, made = [], [], 0, 0
+    if share == 0:
+      return
 
     def emit(sample, pass_number):
       nonlocal batch, repeated, made
@@ -232,28 +256,36 @@ class TrainShards(torch.utils.data.IterableDataset):
       images, labels = zip(*batch)
       batch = []
       # Crops from a generator of this batch alone: the same with or without a resume.
-      crops = np.random.default_rng([self.seed, self.epoch, self.rank, worker, made])
+      crops = np.random.default_rng([self.seed, epoch, self.rank, worker, made])
       out = to_tensors(augment(np.stack(images), crops), labels) + (torch.tensor([bad[0],
                                                                                  repeated]),)
       repeated, bad[0] = 0, 0
       return out
 
+    def take(index):  # Buffer sample `index` out, in O(1).
+      buffer[index], buffer[-1] = buffer[-1], buffer[index]
+      return buffer.pop()
+
     for pass_number in itertools.count():
       read = 0
       for sample in read_samples(rng.permutation(shards).tolist(), on_bad):
         read += 1
-        if len(buffer) < self.shuffle_buffer:
-          buffer.append(sample)
-          continue
-        slot = rng.integers(len(buffer))
-        buffer[slot], sample = sample, buffer[slot]
-        if (out := emit(sample, pass_number)) is not None:
-          yield out
+        buffer.append(sample)
+        # A full buffer sends a sample for each one read. Until then it sends one for every
+        # second one read, once it holds a batch: the first batch of an epoch does not wait
+        # for a whole buffer to be read.
+        if len(buffer) > self.shuffle_buffer or (read % 2 == 0 and len(buffer) > self.batch_size):
+          if (out := emit(take(rng.integers(len(buffer))), pass_number)) is not None:
+            yield out
+          if made == share:
+            return
       if read == 0:
         raise utils.BadDataError(f'no readable sample in shards {shards}')
       for index in rng.permutation(len(buffer)):  # The end of the shards: drain the buffer.
         if (out := emit(buffer[index], pass_number)) is not None:
           yield out
+        if made == share:
+          return
       buffer = []
 
 
@@ -304,11 +336,12 @@ def load_data(cfg, rank, world_size):
   if steps == 0:
     raise utils.UsageError(f'--trainsize {cfg.trainsize} makes no batch of {cfg.batch_size} for '
                            f'each of {world_size} replicas: lower --batch_size')
-  train_set = TrainShards(train_urls, rank, world_size, cfg.batch_size, cfg.shuffle_buffer,
-                          cfg.seed, cfg.fail_on_bad_data)
+  steps = min(steps, cfg.num_steps or sys.maxsize)
+  train_set = TrainShards(train_urls, rank, world_size, cfg.batch_size, steps,
+                          cfg.shuffle_buffer, cfg.seed, cfg.fail_on_bad_data)
   workers = dict(num_workers=cfg.num_workers, worker_init_fn=utils.ignore_sigterm)
-  if cfg.num_workers:  # torch 2.9 raises on prefetch_factor without workers.
-    workers.update(prefetch_factor=cfg.prefetch_factor)
+  if cfg.num_workers:  # torch 2.9 raises on these without workers.
+    workers.update(persistent_workers=True, prefetch_factor=cfg.prefetch_factor)
   train_loader = CountedBatches(torch.utils.data.DataLoader(train_set, batch_size=None, **workers))
 
   images, labels = load_test_share(test_urls, rank, world_size, cfg.fail_on_bad_data)
@@ -319,9 +352,8 @@ def load_data(cfg, rank, world_size):
       torch.cat([images, torch.zeros(pad, 3, SIDE, SIDE, dtype=torch.uint8)]),
       torch.cat([labels, torch.full((pad,), -1, dtype=torch.int64)]))
   test_loader = torch.utils.data.DataLoader(test_set, cfg.test_set_batch_size)
-  cap = cfg.num_steps or sys.maxsize
-  return (utils.CappedLoader(train_loader, min(steps, cap)), train_set,
-          utils.CappedLoader(test_loader, cap))
+  return (utils.CappedLoader(train_loader, steps), train_set,
+          utils.CappedLoader(test_loader, cfg.num_steps or sys.maxsize))
 
 
 # ----------------------------------------------------------------------------- model
@@ -468,6 +500,7 @@ def train(cfg):
                                      checkpoint)
     train_loader.check()
     xm.wait_device_ops()  # Time the device work, not just the tracing.
+    utils.flush_training_log()  # Its lines before the epoch's.
     seconds = time.time() - start
     busy = (utils.execute_seconds() - executed) / seconds  # Device time / wall time.
     counted = train_loader.loader

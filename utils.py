@@ -8,6 +8,7 @@ still works.
 """
 
 import collections
+import concurrent.futures
 import datetime
 import io
 import itertools
@@ -334,12 +335,30 @@ def training_line(device, ordinal, epoch, step, loss, rate, global_rate):
           f'Loss={loss:.5f} Rate={rate:.2f} GlobalRate={global_rate:.2f} Time={now()}')
 
 
+_LOG = []  # [executor, futures of lines not yet printed]
+
+
 def log_training_step(device, ordinal, epoch, step, global_step, loss, tracker, lr, writer):
-  """The step closure of every script (xm.add_step_closure): it runs after the step's graph
-  has executed, so reading the loss here costs no extra sync."""
+  """The step closure of every script (xm.add_step_closure). It runs once the step's graph
+  is launched; reading the loss waits until the graph has run, so a thread of its own reads
+  and prints it while this one traces the next step. Read here, the device would sit idle
+  for a whole step's tracing at every logged step."""
+  if not _LOG:
+    _LOG.extend([concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix='log'), []])
+  _LOG[1].append(_LOG[0].submit(_print_training_step, device, ordinal, epoch, step, global_step,
+                                loss, tracker, lr, writer))
+
+
+def _print_training_step(device, ordinal, epoch, step, global_step, loss, tracker, lr, writer):
   loss, rate = loss.item(), tracker.rate()
   print(training_line(device, ordinal, epoch, step, loss, rate, tracker.global_rate()), flush=True)
   write_scalars(writer, global_step, {'Loss/train': loss, 'Rate/train': rate, 'LR': lr})
+
+
+def flush_training_log():
+  """Waits until every training line logged so far is printed (and raises what failed)."""
+  while _LOG and _LOG[1]:
+    _LOG[1].pop(0).result()
 
 
 def summary_writer(logdir):

@@ -62,7 +62,7 @@ def rate(loader, passes):
 def main(argv):
   del argv
   count = 1000 if FLAGS.quick else 10000
-  passes = 1 if FLAGS.quick else 5  # Worker start-up each pass, as each epoch.
+  passes = 1 if FLAGS.quick else 5
   with tempfile.TemporaryDirectory() as tmp:
     tmp = pathlib.Path(tmp)
     images, labels = make_images(tmp / 'png', count)
@@ -75,14 +75,17 @@ def main(argv):
         T.Normalize(train_wds_cifar.CIFAR_MEAN, train_wds_cifar.CIFAR_STD)]))
     rows = []
     for workers in map(int, FLAGS.workers):
+      # Workers live through the passes, as through the epochs of the training scripts.
+      persistent = dict(persistent_workers=workers > 0)
       folder_loader = torch.utils.data.DataLoader(folder, FLAGS.batch_size, shuffle=True,
-                                                  num_workers=workers, drop_last=True)
-      shards = train_wds_cifar.TrainShards(urls, 0, 1, FLAGS.batch_size, shuffle_buffer=count,
-                                           seed=0, strict=True)
-      # The stream is endless: one pass is the batches the shards hold.
+                                                  num_workers=workers, drop_last=True, **persistent)
+      # One pass is the batches the shards hold, as one epoch of the training script.
+      batches = count // FLAGS.batch_size
+      shards = train_wds_cifar.TrainShards(urls, 0, 1, FLAGS.batch_size, batches,
+                                           shuffle_buffer=count, seed=0, strict=True)
       shard_loader = utils.CappedLoader(train_wds_cifar.CountedBatches(
-          torch.utils.data.DataLoader(shards, batch_size=None, num_workers=workers)),
-          count // FLAGS.batch_size)
+          torch.utils.data.DataLoader(shards, batch_size=None, num_workers=workers,
+                                      **persistent)), batches)
       folder_rate = rate(folder_loader, passes)
       shard_rate = rate(shard_loader, passes)
       cores = max(1, workers)

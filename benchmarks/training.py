@@ -2,7 +2,7 @@
 
 Runs each training script as a user would (a fresh process, --results_json) and prints
 markdown tables:
-  1. steady-state training samples/s (the last epoch) of each script, and the same step
+  1. steady-state training samples/s (the epochs after the first) of each script, and the same step
      in plain eager PyTorch on the CPU as a reference point;
   2. graphs compiled per run and after the first epoch (must be zero), with fake data and
      with image folders whose sizes do not divide the batch;
@@ -16,6 +16,8 @@ markdown tables:
   python benchmarks/training.py --quick    # a smoke test: tiny runs, same tables
 """
 
+import contextlib
+import io
 import json
 import os
 import pathlib
@@ -153,10 +155,10 @@ def checkpoint_costs(tmp):
 def main(argv):
   del argv
   quick = FLAGS.quick
-  epochs, steps = (2, 3) if quick else (2, 40)
+  epochs, steps = (2, 3) if quick else (3, 40)
   model, img_dim, batch = FLAGS.bench_model, FLAGS.bench_img_dim, FLAGS.bench_batch_size
   common = ['--model', model, '--img_dim', img_dim, '--batch_size', batch, '--test_set_batch_size',
-            batch, '--num_epochs', epochs, '--log_steps', 1000]
+            batch, '--num_epochs', epochs, '--log_steps', 10]
   rows = []
   with tempfile.TemporaryDirectory() as tmp:
     tmp = pathlib.Path(tmp)
@@ -168,7 +170,7 @@ def main(argv):
     wds_args = ['--wds_traindir', train_pattern, '--trainsize', (steps + 1) * batch,
                 '--wds_testdir', test_pattern, '--testsize', 2 * batch + 3, '--num_steps', steps,
                 '--num_workers', 2, '--batch_size', batch, '--test_set_batch_size', batch,
-                '--num_epochs', epochs, '--log_steps', 1000, '--ckpt_dir', tmp / 'ckpt']
+                '--num_epochs', epochs, '--log_steps', 10, '--ckpt_dir', tmp / 'ckpt']
     runs = [
         ('train_single_core.py', 'fake', ['--fake_data', '--num_steps', steps, *common]),
         ('train_resnet_mp.py', 'fake', ['--fake_data', '--num_steps', steps, *common]),
@@ -185,21 +187,24 @@ def main(argv):
     for script, data, args in runs:
       results, first_step[script] = run(script, *args)
       compiled = results['compilations_after_epoch']
-      rows.append((script, data, results['epoch_rates'][-1], 1 - results['epoch_device_busy'][-1],
-                   results['compilations'], compiled[-1] - compiled[0]))
+      # Steady state: the epochs after the first (which compiles), averaged.
+      rate, busy = (np.mean(results[k][1:]) for k in ('epoch_rates', 'epoch_device_busy'))
+      rows.append((script, data, rate, 1 - busy, results['compilations'], compiled[-1] - compiled[0]))
 
     # A resumed shard stream reads the samples of the batches it skips, the costliest
     # skip: resume from the mid-epoch checkpoint of the last epoch (the last run's).
     os.remove(tmp / 'ckpt' / f'ckpt-{epochs * steps:08d}.pt')
     resumed, out = first_step_seconds('train_wds_cifar.py', [*wds_args, '--log_steps', 1])
     resumed_at = re.search(r'Resumed from \S+ at epoch (\d+) step (\d+)', out)
-    save, load, size = checkpoint_costs(tmp)
+    with contextlib.redirect_stdout(io.StringIO()):  # Its 'Saved checkpoint' line.
+      save, load, size = checkpoint_costs(tmp)
     # After the XLA runtime is up: autograd sizes its device queues at the first backward.
     eager = eager_rate(model, img_dim, batch, 3 if quick else 20)
 
   print(f'Training on XLA:CPU, {platform.processor() or platform.machine()}, '
         f'{os.cpu_count()} cores; {model} at {img_dim} px, batch {batch}, {epochs} epochs of '
-        f'{steps} steps; rates are the last epoch\'s')
+        f'{steps} steps, a line logged every 10; rate and overhead: mean of the epochs after '
+        'the first')
   print()
   print('| script | data | samples/s | host overhead | graphs compiled | compiled after epoch 1 |')
   print('| --- | --- | --- | --- | --- | --- |')

@@ -147,7 +147,7 @@ def test_every_replica_runs_the_same_steps_and_refills_when_short(shards, world_
   steps = 480 // (batch_size * world_size)
   seen, repeated = [], 0
   for rank in range(world_size):
-    dataset = wds_cifar.TrainShards(train, rank, world_size, batch_size, shuffle_buffer=100,
+    dataset = wds_cifar.TrainShards(train, rank, world_size, batch_size, steps, shuffle_buffer=100,
                                     seed=3, strict=True)
     dataset.epoch = 1
     batches, loader = take_batches(dataset, num_workers, steps)
@@ -168,7 +168,7 @@ def test_every_replica_runs_the_same_steps_and_refills_when_short(shards, world_
 def test_same_seed_and_epoch_give_the_same_batches(shards):
   train = [str(p) for p in sorted((shards / 'shards').glob('cifar-train-*.tar'))]
   def epoch_batches(epoch):
-    dataset = wds_cifar.TrainShards(train, 0, 2, 16, shuffle_buffer=64, seed=5, strict=True)
+    dataset = wds_cifar.TrainShards(train, 0, 2, 16, 10, shuffle_buffer=64, seed=5, strict=True)
     dataset.epoch = epoch
     return [b for b, _ in take_batches(dataset, 2, 10)[0]]
   first = epoch_batches(1)
@@ -177,15 +177,17 @@ def test_same_seed_and_epoch_give_the_same_batches(shards):
 
 
 @pytest.mark.parametrize('num_workers', [0, 1, 3])
-def test_resumed_stream_gives_the_batches_after_the_skip(shards, num_workers):
+def test_resumed_stream_gives_the_batches_after_the_skip_and_ends_with_the_epoch(shards,
+                                                                                 num_workers):
   train = [str(p) for p in sorted((shards / 'shards').glob('cifar-train-*.tar'))]
   def batches(skip, steps):
-    dataset = wds_cifar.TrainShards(train, 1, 2, 8, shuffle_buffer=40, seed=5, strict=True)
+    dataset = wds_cifar.TrainShards(train, 1, 2, 8, steps, shuffle_buffer=40, seed=5, strict=True)
     dataset.epoch, dataset.skip = 2, skip
-    capped = utils.CappedLoader(wds_cifar.CountedBatches(torch.utils.data.DataLoader(
-        dataset, batch_size=None, num_workers=num_workers)), steps)
-    capped.start = skip
-    return [torch.cat([images.flatten(), labels]) for images, labels in capped]
+    loader = wds_cifar.CountedBatches(torch.utils.data.DataLoader(
+        dataset, batch_size=None, num_workers=num_workers))
+    # No cap: the workers stop when the epoch has its batches (islice: a bound, not a cap).
+    return [torch.cat([images.flatten(), labels]) for images, labels in
+            itertools.islice(loader, steps + 10)]
   whole = batches(0, 30)
   assert len(whole) == 30
   for skip in [1, 2, 3, 4, 5, 13, 29]:
