@@ -149,7 +149,7 @@ def test_killed_stopped_and_killed_mid_save_run_ends_bitwise_equal(tmp_path):
   assert code == -signal.SIGKILL, out
 
   # SIGTERM to the command alone (`kill PID`): it passes it on to the replica.
-  code, out = run_and_signal(SCRIPT, run, 1, signal.SIGTERM, group=False)
+  code, out = run_and_signal(SCRIPT, run, 0, signal.SIGTERM, group=False)
   assert code == 75, f'kill at step {kill_step}\n{out}'
   assert re.search(r'^Stopped by SIGTERM at epoch \d step \d: saved \S+; run the same command '
                    r'to resume \(exit code 75\)$', out, re.M), out
