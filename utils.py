@@ -298,7 +298,7 @@ class CappedLoader:
     self.loader = loader
     try:
       self.num_batches = min(len(loader), num_batches)
-    except TypeError:  # An endless stream: the cap is the epoch.
+    except TypeError:  # An iterable dataset has no length: the cap is the epoch.
       self.num_batches = num_batches
     self.start = 0
     self.error = None

@@ -12,7 +12,7 @@ markdown tables:
      takes to its first new step against a fresh run;
   5. the input pipeline table of benchmarks/input_pipeline.py.
 
-  python benchmarks/training.py            # about 7 minutes on 2 cores
+  python benchmarks/training.py            # about 7.5 minutes on 2 cores
   python benchmarks/training.py --quick    # a smoke test: tiny runs, same tables
 """
 
