@@ -190,9 +190,8 @@ class TrainShards(torch.utils.data.IterableDataset):
 
   Each batch comes with counts: bad data skipped since the previous batch, and samples
   read a second time because the worker's shards ran out (the stream goes on over them
-  until the epoch has its batches, so every replica runs the same number of steps). Set
-  .epoch, and .skip to the batches a resumed run has trained, before each epoch's
-  iteration.
+  until the epoch has its batches, so every replica runs the same number of steps). Call
+  set_epoch before each epoch's iteration.
   """
 
   def __init__(self, urls, rank, world_size, batch_size, batches, shuffle_buffer, seed, strict):
@@ -201,38 +200,26 @@ class TrainShards(torch.utils.data.IterableDataset):
     self.seed, self.strict = seed, strict
     # Epoch and skip in shared memory: loader workers live through the run (started by
     # spawn in a replica, each costs seconds) and read them when each epoch begins.
-    self.state = torch.zeros(2, dtype=torch.int64).share_memory_()
+    self.epoch_and_skip = torch.zeros(2, dtype=torch.int64).share_memory_()
 
-  @property
-  def epoch(self):
-    return int(self.state[0])
-
-  @epoch.setter
-  def epoch(self, epoch):
-    self.state[0] = epoch
-
-  @property
-  def skip(self):
-    return int(self.state[1])
-
-  @skip.setter
-  def skip(self, skip):
-    self.state[1] = skip
+  def set_epoch(self, epoch, skip=0):
+    """The epoch to make next, and the batches of it a resumed run has trained."""
+    self.epoch_and_skip[:] = torch.tensor([epoch, skip])
 
   def __iter__(self):
     info = torch.utils.data.get_worker_info()
     worker, num_workers = (info.id, info.num_workers) if info else (0, 1)
-    epoch, skip_to = self.epoch, self.skip
+    epoch, skip_to = self.epoch_and_skip.tolist()
     shards = utils.shards_for(self.urls, self.rank, self.world_size, worker, num_workers,
                               self.seed, epoch)
     rng = np.random.default_rng([self.seed, epoch, self.rank, worker])  # Order, shuffle.
     # The DataLoader takes batch i from worker i % num_workers: this worker makes its share
     # of the epoch and stops, instead of reading on for batches nobody takes (and keeping
     # the loader from shutting down until it has). Of the batches a resumed run has
-    # trained, it made those below .skip in its turn: it reads their samples (the shuffle
+    # trained, it made those below skip_to in its turn: it reads their samples (the shuffle
     # must go on the same) but does not augment or send them. A worker whose first turn
-    # falls below .skip sends None there, which CountedBatches drops, so that the batches
-    # after .skip come in their uninterrupted order.
+    # falls below skip_to sends None there, which CountedBatches drops, so that the batches
+    # after skip_to come in their uninterrupted order.
     share = len(range(worker, self.batches, num_workers))
     skip = len(range(worker, skip_to, num_workers))
     if worker < skip_to % num_workers:
@@ -491,7 +478,7 @@ def train(cfg):
   for epoch in range(first_epoch, cfg.num_epochs + 1):
     # Shard order, shuffle and crops: a function of (seed, epoch); a resumed run reads the
     # batches it has trained without using them.
-    train_set.epoch, train_set.skip = epoch, first_step
+    train_set.set_epoch(epoch, skip=first_step)
     train_loader.start = first_step
     xm.master_print(f'Epoch {epoch} train begin {utils.now()}')
     start, executed = time.time(), utils.execute_seconds()

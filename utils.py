@@ -335,7 +335,10 @@ def training_line(device, ordinal, epoch, step, loss, rate, global_rate):
           f'Loss={loss:.5f} Rate={rate:.2f} GlobalRate={global_rate:.2f} Time={now()}')
 
 
-_LOG = []  # [executor, futures of lines not yet printed]
+# Training lines are printed in order by a thread of their own, started at the first line;
+# _LOG_PENDING holds those not printed yet.
+_LOG_THREAD = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix='log')
+_LOG_PENDING = collections.deque()
 
 
 def log_training_step(device, ordinal, epoch, step, global_step, loss, tracker, lr, writer):
@@ -343,10 +346,8 @@ def log_training_step(device, ordinal, epoch, step, global_step, loss, tracker, 
   is launched; reading the loss waits until the graph has run, so a thread of its own reads
   and prints it while this one traces the next step. Read here, the device would sit idle
   for a whole step's tracing at every logged step."""
-  if not _LOG:
-    _LOG.extend([concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix='log'), []])
-  _LOG[1].append(_LOG[0].submit(_print_training_step, device, ordinal, epoch, step, global_step,
-                                loss, tracker, lr, writer))
+  _LOG_PENDING.append(_LOG_THREAD.submit(_print_training_step, device, ordinal, epoch, step,
+                                         global_step, loss, tracker, lr, writer))
 
 
 def _print_training_step(device, ordinal, epoch, step, global_step, loss, tracker, lr, writer):
@@ -357,8 +358,8 @@ def _print_training_step(device, ordinal, epoch, step, global_step, loss, tracke
 
 def flush_training_log():
   """Waits until every training line logged so far is printed (and raises what failed)."""
-  while _LOG and _LOG[1]:
-    _LOG[1].pop(0).result()
+  while _LOG_PENDING:
+    _LOG_PENDING.popleft().result()
 
 
 def summary_writer(logdir):

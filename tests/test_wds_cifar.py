@@ -149,7 +149,7 @@ def test_every_replica_runs_the_same_steps_and_refills_when_short(shards, world_
   for rank in range(world_size):
     dataset = wds_cifar.TrainShards(train, rank, world_size, batch_size, steps, shuffle_buffer=100,
                                     seed=3, strict=True)
-    dataset.epoch = 1
+    dataset.set_epoch(1)
     batches, loader = take_batches(dataset, num_workers, steps)
     assert len(batches) == steps
     assert all(images.shape == (batch_size, 3, 32, 32) and images.dtype == torch.uint8
@@ -169,11 +169,31 @@ def test_same_seed_and_epoch_give_the_same_batches(shards):
   train = [str(p) for p in sorted((shards / 'shards').glob('cifar-train-*.tar'))]
   def epoch_batches(epoch):
     dataset = wds_cifar.TrainShards(train, 0, 2, 16, 10, shuffle_buffer=64, seed=5, strict=True)
-    dataset.epoch = epoch
+    dataset.set_epoch(epoch)
     return [b for b, _ in take_batches(dataset, 2, 10)[0]]
   first = epoch_batches(1)
   assert all(torch.equal(a, b) for a, b in zip(first, epoch_batches(1)))
   assert not all(torch.equal(a, b) for a, b in zip(first, epoch_batches(2)))
+
+
+def test_workers_kept_through_the_run_make_each_epoch_as_new_ones_would(shards):
+  # A replica's loader workers are started by spawn and kept for the run: they must read
+  # each epoch's number and resume point when it begins.
+  train = [str(p) for p in sorted((shards / 'shards').glob('cifar-train-*.tar'))]
+  def epoch_batches(loader):
+    return [torch.cat([images.flatten(), labels]) for images, labels in loader]
+  def loader(dataset, **kept):
+    return wds_cifar.CountedBatches(torch.utils.data.DataLoader(dataset, batch_size=None,
+                                                                num_workers=2, **kept))
+  dataset = wds_cifar.TrainShards(train, 0, 1, 16, 6, shuffle_buffer=64, seed=5, strict=True)
+  kept = loader(dataset, persistent_workers=True, multiprocessing_context='spawn')
+  for epoch, skip in [(1, 0), (2, 3), (3, 0)]:
+    dataset.set_epoch(epoch, skip)
+    fresh = wds_cifar.TrainShards(train, 0, 1, 16, 6, shuffle_buffer=64, seed=5, strict=True)
+    fresh.set_epoch(epoch, skip)
+    expected = epoch_batches(loader(fresh))
+    assert len(expected) == 6 - skip
+    assert torch.equal(torch.stack(epoch_batches(kept)), torch.stack(expected)), epoch
 
 
 @pytest.mark.parametrize('num_workers', [0, 1, 3])
@@ -182,7 +202,7 @@ def test_resumed_stream_gives_the_batches_after_the_skip_and_ends_with_the_epoch
   train = [str(p) for p in sorted((shards / 'shards').glob('cifar-train-*.tar'))]
   def batches(skip, steps):
     dataset = wds_cifar.TrainShards(train, 1, 2, 8, steps, shuffle_buffer=40, seed=5, strict=True)
-    dataset.epoch, dataset.skip = 2, skip
+    dataset.set_epoch(2, skip)
     loader = wds_cifar.CountedBatches(torch.utils.data.DataLoader(
         dataset, batch_size=None, num_workers=num_workers))
     # No cap: the workers stop when the epoch has its batches (islice: a bound, not a cap).
