@@ -2,8 +2,8 @@
 
 Runs each training script as a user would (a fresh process, --results_json) and prints
 markdown tables:
-  1. steady-state training samples/s (the epochs after the first) of each script, and the same step
-     in plain eager PyTorch on the CPU as a reference point;
+  1. steady-state training samples/s (the epochs after the first) of each script, and the
+     same step in plain eager PyTorch on the CPU as a reference point;
   2. graphs compiled per run and after the first epoch (must be zero), with fake data and
      with image folders whose sizes do not divide the batch;
   3. host overhead: the share of the steady-state epoch's wall time not covered by graph
