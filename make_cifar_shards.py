@@ -67,14 +67,12 @@ def read_cifar_python(folder):
 
 def read_image_folder(root):
   """The same from DIR/train/CLASS/*.png and DIR/test/CLASS/*.png (class folders sorted)."""
-  def split(name, classes=None):
-    folder = os.path.join(root, name)
-    found = utils.check_image_folder(folder)
-    if classes is not None and found != classes:
-      raise utils.UsageError(f'{folder} must hold the same class folders as {root}/train')
+  classes = utils.check_image_folders(root, ('train', 'test'))
+
+  def split(name):
     images, labels = [], []
-    for label, cls in enumerate(found):
-      for entry in sorted(os.scandir(os.path.join(folder, cls)), key=lambda e: e.name):
+    for label, cls in enumerate(classes):
+      for entry in sorted(os.scandir(os.path.join(root, name, cls)), key=lambda e: e.name):
         if entry.is_file() and entry.name.lower().endswith(utils.IMG_EXTENSIONS):
           image = np.asarray(utils.load_image(entry.path))
           if image.shape != IMAGE_SHAPE:
@@ -82,11 +80,9 @@ def read_image_folder(root):
                                    'CIFAR shards hold 32x32 images')
           images.append(image)
           labels.append(label)
-    return np.stack(images), np.asarray(labels, np.int64), found
+    return np.stack(images), np.asarray(labels, np.int64)
 
-  train_images, train_labels, classes = split('train')
-  test_images, test_labels, _ = split('test', classes)
-  return train_images, train_labels, test_images, test_labels, classes
+  return (*split('train'), *split('test'), classes)
 
 
 def add_member(tar, name, data):

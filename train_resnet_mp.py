@@ -15,7 +15,6 @@ goes on from the newest checkpoint exactly where it stopped. On SIGTERM every re
 finishes the same step, the master saves, and the command exits with code 75.
 """
 
-import functools
 import os
 import sys
 import time
@@ -29,7 +28,11 @@ import torch_xla.debug.metrics as met
 import torch_xla.debug.profiler as xp
 import torch_xla.distributed.parallel_loader as pl
 import torch_xla.runtime as xr
+import torch_xla.test.test_utils as test_utils
+import torch_xla.utils.utils as xu
+import torchvision
 from absl import app, flags
+from torch.utils.tensorboard import SummaryWriter
 
 import utils
 
@@ -45,29 +48,25 @@ flags.DEFINE_integer('test_set_batch_size', 64, 'Evaluation batch size of each r
 flags.DEFINE_integer('num_epochs', 18, 'Number of epochs.', lower_bound=1)
 flags.DEFINE_integer('num_steps', None, 'Cap on training and evaluation steps per epoch.', lower_bound=1)
 flags.DEFINE_integer('log_steps', 20, 'Print a training line every this many steps.', lower_bound=1)
-flags.DEFINE_float('lr', None, 'Peak learning rate (SGD). Default: 0.5 for resnet50, else 0.1.',
+flags.DEFINE_float('lr', None, 'Peak SGD learning rate (default: 0.5 for resnet50, else 0.1).',
                    lower_bound=0.0)
 flags.DEFINE_enum('lr_scheduler_type', None, ['WarmupAndExponentialDecayScheduler', 'none'],
                   'Default: WarmupAndExponentialDecayScheduler for resnet50, else none.')
-flags.DEFINE_float('lr_warmup_epochs', 0.9, 'Linear warm-up from 0 over this many epochs.',
-                   lower_bound=0.0)
-flags.DEFINE_integer('lr_scheduler_divide_every_n_epochs', 20, 'Divide the LR every N epochs.',
-                     lower_bound=1)
+flags.DEFINE_float('lr_warmup_epochs', 0.9, 'Epochs of linear warm-up from 0.', lower_bound=0.0)
+flags.DEFINE_integer('lr_scheduler_divide_every_n_epochs', 20, 'LR division period.', lower_bound=1)
 flags.DEFINE_float('lr_scheduler_divisor', 5, 'What the LR is divided by.', lower_bound=1.0)
 flags.DEFINE_float('momentum', 0.9, 'SGD momentum.', lower_bound=0.0)
 flags.DEFINE_float('weight_decay', 1e-4, 'SGD weight decay.', lower_bound=0.0)
 flags.DEFINE_integer('seed', 42, 'Seed of the weights and of the data order.')
-flags.DEFINE_bool('drop_last', True, 'Kept for upstream compatibility: training always drops '
-                  'partial batches, so every replica runs the same steps with one shape.')
+flags.DEFINE_bool('drop_last', True, 'Drop the last partial training batch (its new shape '
+                  'would compile a new graph). Evaluation always counts every image.')
 flags.DEFINE_integer('num_workers', 8, 'DataLoader worker processes per replica.', lower_bound=0)
 flags.DEFINE_bool('persistent_workers', True, 'Keep DataLoader workers between epochs '
                   '(--nopersistent_workers: start them anew each epoch).')
-flags.DEFINE_integer('prefetch_factor', None, 'Batches each worker loads ahead (needs workers).',
-                     lower_bound=1)
+flags.DEFINE_integer('prefetch_factor', None, 'Batches each loader worker loads ahead.', lower_bound=1)
 flags.DEFINE_integer('loader_prefetch_size', 8, 'Host batches MpDeviceLoader queues.', lower_bound=1)
 flags.DEFINE_integer('device_prefetch_size', 4, 'Device batches MpDeviceLoader queues.', lower_bound=1)
-flags.DEFINE_integer('host_to_device_transfer_threads', 1, 'Threads copying batches to the device.',
-                     lower_bound=1)
+flags.DEFINE_integer('host_to_device_transfer_threads', 1, 'Host-to-device copy threads.', lower_bound=1)
 flags.DEFINE_bool('bf16', False, 'Train in bfloat16: sets XLA_USE_BF16=1 before the spawn.')
 flags.DEFINE_float('target_accuracy', 0.0, 'Exit with code 21 if the final accuracy (%) is below it.')
 flags.DEFINE_string('logdir', None, 'TensorBoard folder for loss, rate, lr and accuracy (master only).')
@@ -78,52 +77,91 @@ flags.DEFINE_integer('profiler_port', 9012, 'Profiler server port of the first l
 flags.DEFINE_string('results_json', None, 'Write accuracy, rates and compile counts here at exit.')
 flags.DEFINE_string('ckpt_dir', None, 'Save checkpoints here and resume from the newest one when '
                     'started again: a local path, or on a pod a URL every host reads (gs://...).')
-flags.DEFINE_integer('ckpt_every_steps', None, 'Also save every N steps (always at each epoch end).',
+flags.DEFINE_integer('ckpt_every_steps', None, 'Also save every N steps, not only at epoch ends.',
                      lower_bound=1)
 flags.DEFINE_integer('keep_checkpoints', 2, 'Checkpoints kept, besides best.pt.', lower_bound=1)
 flags.DEFINE_string('resume', None, 'Resume from this checkpoint instead of the newest in --ckpt_dir.')
-flags.register_validator('model', lambda name: name in utils.model_names(),
-                         'is not a torchvision classification model (e.g. resnet18, resnet50)')
+flags.register_validator('model', lambda name: name in torchvision.models.list_models(
+    torchvision.models), 'is not a torchvision classification model (e.g. resnet18, resnet50)')
 
+# Flags that may change between a run and its resumption without changing what it computes.
+RESTART_FLAGS = {'resume', 'ckpt_dir', 'ckpt_every_steps', 'keep_checkpoints', 'num_epochs',
+                 'log_steps', 'logdir', 'results_json', 'metrics_debug', 'profile',
+                 'profiler_port', 'target_accuracy', 'num_workers', 'persistent_workers',
+                 'prefetch_factor', 'loader_prefetch_size', 'device_prefetch_size',
+                 'host_to_device_transfer_threads', 'num_cores'}
 FAKE_TRAIN_SAMPLES = 1_200_000  # About ImageNet's size, as upstream.
 FAKE_TEST_SAMPLES = 50_000
 FAKE_CLASSES = 1000
-EXIT_BELOW_TARGET = 21  # upstream's code for a run below --target_accuracy
 # Upstream's tuned resnet50 recipe (for 8 replicas of batch 128); other models get DEFAULTS.
 DEFAULTS = dict(lr=0.1, lr_scheduler_type='none')
 MODEL_DEFAULTS = {'resnet50': dict(lr=0.5, lr_scheduler_type='WarmupAndExponentialDecayScheduler')}
 
 
 def load_data(cfg, rank, world_size):
-  """This replica's train and test loaders, capped at --num_steps, the train sampler and the
-  class count. Every replica gets the same number of train and test batches."""
+  """This replica's train and test loaders, capped at --num_steps, and the class count.
+  Every replica gets the same number of train and test batches."""
   cap = cfg.num_steps or sys.maxsize
   if cfg.fake_data:
-    train = utils.FakeBatches(cfg.batch_size, cfg.img_dim, utils.train_steps_per_epoch(
-        FAKE_TRAIN_SAMPLES, world_size, cfg.batch_size))
-    test = utils.FakeBatches(cfg.test_set_batch_size, cfg.img_dim, utils.train_steps_per_epoch(
-        FAKE_TEST_SAMPLES, world_size, cfg.test_set_batch_size))
-    return utils.CappedLoader(train, cap), utils.CappedLoader(test, cap), None, FAKE_CLASSES
+    def fake(batch_size, samples):  # One constant batch: the run measures the device alone.
+      batch = (torch.zeros(batch_size, 3, cfg.img_dim, cfg.img_dim),
+               torch.zeros(batch_size, dtype=torch.int64))
+      return utils.EpochLoader(xu.SampleGenerator(batch, samples // world_size // batch_size), cap)
+    return (fake(cfg.batch_size, FAKE_TRAIN_SAMPLES),
+            fake(cfg.test_set_batch_size, FAKE_TEST_SAMPLES), FAKE_CLASSES)
   train_set = utils.image_folder(os.path.join(cfg.datadir, 'train'), cfg.img_dim, train=True)
   test_set = utils.image_folder(os.path.join(cfg.datadir, 'val'), cfg.img_dim, train=False)
   # The order is a function of (seed, epoch) and each image is cropped by its own seed, so a
   # resumed run sees the very batches an uninterrupted one would.
-  sampler = utils.train_sampler(train_set, rank, world_size, cfg.seed)
+  sampler = utils.EpochSampler(train_set, rank, world_size, cfg.seed, cfg.batch_size)
   workers = dict(num_workers=cfg.num_workers, worker_init_fn=utils.ignore_sigterm)
   if cfg.num_workers:  # torch 2.9 raises on these without workers.
     workers.update(persistent_workers=cfg.persistent_workers, prefetch_factor=cfg.prefetch_factor)
-  # drop_last always: a partial batch would be a new shape (a new graph) on some replicas only.
+  # Every replica's share has the same length, so every replica has the same batches.
   train_loader = torch.utils.data.DataLoader(utils.SeededSamples(train_set), cfg.batch_size,
-                                             sampler=sampler, drop_last=True, **workers)
+                                             sampler=sampler, drop_last=cfg.drop_last, **workers)
   if len(train_loader) == 0:
     raise utils.UsageError(f'{len(train_set)} training images make no batch of {cfg.batch_size} '
-                           f'for each of {world_size} replicas: lower --batch_size')
-  test_set = utils.PaddedSubset(
-      test_set, utils.eval_indices(len(test_set), rank, world_size, cfg.test_set_batch_size),
-      blank=torch.zeros(3, cfg.img_dim, cfg.img_dim))
+                           f'for each of {world_size} replicas: lower --batch_size or pass '
+                           '--nodrop_last')
+  test_set = utils.eval_share(test_set, rank, world_size, cfg.test_set_batch_size,
+                              blank=torch.zeros(3, cfg.img_dim, cfg.img_dim))
   test_loader = torch.utils.data.DataLoader(test_set, cfg.test_set_batch_size, **workers)
-  return (utils.CappedLoader(train_loader, cap), utils.CappedLoader(test_loader, cap), sampler,
+  return (utils.EpochLoader(train_loader, cap, order=sampler), utils.EpochLoader(test_loader, cap),
           len(train_set.classes))
+
+
+def start_run(cfg, num_classes, steps_per_epoch):
+  """Model, optimizer, LR schedule, log, stop vote and results of this replica, restored from
+  the newest checkpoint if there is one; run.epoch and run.step are where training goes on."""
+  device = torch_xla.device()
+  model = utils.create_model(cfg.model, num_classes).to(device)
+  xm.broadcast_master_param(model)  # Every replica starts from the master's weights.
+  optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum,
+                              weight_decay=cfg.weight_decay)
+  scheduler = None
+  if cfg.lr_scheduler_type == 'WarmupAndExponentialDecayScheduler':
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: utils.warmup_step_decay(
+        step, steps_per_epoch, cfg.lr_warmup_epochs, cfg.lr_scheduler_divide_every_n_epochs,
+        cfg.lr_scheduler_divisor))
+  writer = SummaryWriter(cfg.logdir) if cfg.logdir and xm.is_master_ordinal() else None
+  results = dict(model=cfg.model, world_size=xr.world_size(), epochs=0, train_steps=0,
+                 max_accuracy=0.0, final_accuracy=0.0, eval_correct=0, eval_samples=0,
+                 epoch_rates=[], epoch_device_busy=[], compilations_after_epoch=[],
+                 train_seconds=0.0, bf16=os.environ.get('XLA_USE_BF16') == '1')
+  run = SimpleNamespace(cfg=cfg, model=model, optimizer=optimizer, scheduler=scheduler,
+                        log=utils.StepLog(device, writer), stop=utils.StopVote(device),
+                        results=results, epoch=1, step=0)
+  path, state = utils.find_checkpoint(cfg.resume, cfg.ckpt_dir)
+  if state is not None:
+    utils.restore(state, path, model, optimizer, scheduler)
+    utils.warn_changed_flags(path, state['flags'], vars(cfg), RESTART_FLAGS)
+    run.results = dict(state['results'], train_steps=state['global_step'])
+    run.epoch, run.step = state['epoch'], state['step']
+    xm.master_print(f'Run already finished: {path} is the end of epoch {run.epoch - 1} '
+                    f'(--num_epochs {cfg.num_epochs})' if run.epoch > cfg.num_epochs else
+                    f'Resumed from {path} at epoch {run.epoch} step {run.step}')
+  return run
 
 
 def train_step(model, optimizer, scheduler, images, labels):
@@ -136,36 +174,34 @@ def train_step(model, optimizer, scheduler, images, labels):
   return loss
 
 
-def train_one_epoch(model, optimizer, scheduler, loader, epoch, first_step, global_step, cfg,
-                    writer, stop, checkpoint):
-  """Trains the epoch from step first_step on; returns (steps run, whether SIGTERM stopped it)."""
-  device, ordinal = torch_xla.device(), xr.global_ordinal()
+def train_one_epoch(run, loader, epoch, first_step):
+  """Trains the epoch from step first_step on; returns (steps run, whether to stop now)."""
+  cfg, results = run.cfg, run.results
   tracker = xm.RateTracker()
-  model.train()
+  run.model.train()
   steps = 0
   for step, (images, labels) in enumerate(loader, first_step):
     with xp.StepTrace('train_step', step_num=step):  # Named steps in a profile; ends in a sync.
-      loss = train_step(model, optimizer, scheduler, images, labels)
+      loss = train_step(run.model, run.optimizer, run.scheduler, images, labels)
       tracker.add(cfg.batch_size)
       if step % cfg.log_steps == 0:
-        lr = optimizer.param_groups[0]['lr']
-        xm.add_step_closure(utils.log_training_step, args=(
-            device, ordinal, epoch, step, global_step + steps, loss, tracker, lr, writer))
-      stopping = stop.agreed_after_step(device)  # The same answer on every replica.
+        xm.add_step_closure(run.log.add, args=(epoch, step, results['train_steps'], loss, tracker,
+                                               run.optimizer.param_groups[0]['lr']))
+      stopping = run.stop.agreed_after_step()  # The same answer on every replica.
     steps += 1
+    results['train_steps'] += 1
     if stopping:
       return steps, True
-    if cfg.ckpt_dir and cfg.ckpt_every_steps and (global_step + steps) % cfg.ckpt_every_steps == 0:
-      checkpoint(epoch, step + 1, global_step + steps)
+    if cfg.ckpt_dir and cfg.ckpt_every_steps and results['train_steps'] % cfg.ckpt_every_steps == 0:
+      save_checkpoint(run, epoch, step + 1)
   return steps, False
 
 
 def evaluate(model, loader):
   """(accuracy %, correct, total) over all replicas; padding (label -1) is not counted."""
-  device = torch_xla.device()
   model.eval()
   # Counted on the device and read once at the end: an .item() per step would sync.
-  counts = torch.zeros(2, dtype=torch.int64, device=device)
+  counts = torch.zeros(2, dtype=torch.int64, device=torch_xla.device())
   with torch.no_grad():
     for images, labels in loader:
       hits = (model(images).argmax(dim=1) == labels).sum()
@@ -175,34 +211,48 @@ def evaluate(model, loader):
   return 100.0 * correct / max(total, 1), correct, total
 
 
-def save_checkpoint(cfg, model, optimizer, scheduler, results, epoch, step, global_step,
-                    best=False):
+def save_checkpoint(run, epoch, step, best=False):
   """Saves the whole training state after `step` steps of `epoch`; returns its path. Every
   replica calls it at the same step; the master writes."""
-  state = dict(model=model.state_dict(), optimizer=optimizer.state_dict(),
-               lr_scheduler=scheduler.state_dict() if scheduler else None, epoch=epoch,
-               step=step, global_step=global_step, rng=utils.rng_state(), flags=vars(cfg),
-               results=results)
-  return utils.save_checkpoint(state, cfg.ckpt_dir, cfg.keep_checkpoints, best)
+  state = dict(model=run.model.state_dict(), optimizer=run.optimizer.state_dict(),
+               lr_scheduler=run.scheduler.state_dict() if run.scheduler else None, epoch=epoch,
+               step=step, global_step=run.results['train_steps'], flags=vars(run.cfg),
+               rng=dict(torch=torch.get_rng_state(), xla=xm.get_rng_state()), results=run.results)
+  return utils.save_checkpoint(state, run.cfg.ckpt_dir, run.cfg.keep_checkpoints, best)
+
+
+def stop_run(run, epoch, step):
+  """The end of a run stopped by SIGTERM at a step boundary: saves, says so."""
+  saved = save_checkpoint(run, epoch, step) if run.cfg.ckpt_dir else None
+  xm.master_print(f'Stopped by SIGTERM at epoch {epoch} step {step}: ' +
+                  (f'saved {saved}; run the same command to resume' if saved else
+                   'nothing saved (no --ckpt_dir)') + f' (exit code {utils.EXIT_PREEMPTED})')
+  run.results['preempted'] = True
+  return run.results
+
+
+def end_epoch(run, epoch, accuracy, counts):
+  """Adds an evaluated epoch to the results and saves it; returns whether to stop now."""
+  results = run.results
+  best = accuracy > results['max_accuracy']
+  results.update(epochs=epoch, final_accuracy=accuracy, eval_correct=counts[0],
+                 eval_samples=counts[1], max_accuracy=max(results['max_accuracy'], accuracy))
+  results['compilations_after_epoch'].append(utils.compile_count())
+  test_utils.write_to_summary(run.log.writer, epoch, {'Accuracy/test': accuracy})
+  if run.cfg.metrics_debug:
+    xm.master_print(met.metrics_report())
+  if run.cfg.ckpt_dir:
+    save_checkpoint(run, epoch + 1, 0, best=best)
+  return run.stop.agreed_at_epoch_end()
 
 
 def train(cfg):
   """The whole run of one replica; returns the results dict that --results_json writes."""
-  stop = utils.StopRequest()
   torch.manual_seed(cfg.seed)
   rank, world_size, device = xr.global_ordinal(), xr.world_size(), torch_xla.device()
-  train_loader, test_loader, sampler, num_classes = load_data(cfg, rank, world_size)
-  steps_per_epoch = train_loader.num_batches
-  model = utils.create_model(cfg.model, num_classes).to(device)
-  xm.broadcast_master_param(model)  # Every replica starts from the master's weights.
-  optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum,
-                              weight_decay=cfg.weight_decay)
-  scheduler = None
-  if cfg.lr_scheduler_type == 'WarmupAndExponentialDecayScheduler':
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: utils.warmup_step_decay(
-        step, steps_per_epoch, cfg.lr_warmup_epochs, cfg.lr_scheduler_divide_every_n_epochs,
-        cfg.lr_scheduler_divisor))
-  writer = utils.summary_writer(cfg.logdir) if xm.is_master_ordinal() else None
+  train_loader, test_loader, num_classes = load_data(cfg, rank, world_size)
+  run = start_run(cfg, num_classes, train_loader.num_batches)
+  results = run.results
   # The server lives as long as this reference: keep it until training ends.
   profiler = xp.start_server(cfg.profiler_port + xr.local_ordinal()) if cfg.profile else None
   prefetch = dict(loader_prefetch_size=cfg.loader_prefetch_size,
@@ -210,85 +260,35 @@ def train(cfg):
                   host_to_device_transfer_threads=cfg.host_to_device_transfer_threads)
   train_device_loader = pl.MpDeviceLoader(train_loader, device, **prefetch)
   test_device_loader = pl.MpDeviceLoader(test_loader, device, **prefetch)
-
-  results = dict(model=cfg.model, world_size=world_size, epochs=0, train_steps=0,
-                 max_accuracy=0.0, final_accuracy=0.0, eval_correct=0, eval_samples=0,
-                 epoch_rates=[], epoch_device_busy=[], compilations_after_epoch=[],
-                 train_seconds=0.0, bf16=os.environ.get('XLA_USE_BF16') == '1')
-  first_epoch, first_step = 1, 0
-  path, state = utils.replica_checkpoint(cfg.resume, cfg.ckpt_dir)
-  if state is not None:
-    first_epoch, first_step, results = utils.restore(
-        state, path, model, optimizer, scheduler, vars(cfg), num_classes,
-        report=xm.is_master_ordinal())
-    if first_epoch > cfg.num_epochs:
-      xm.master_print(f'Run already finished: {path} is the end of epoch {first_epoch - 1} '
-                      f'(--num_epochs {cfg.num_epochs})')
-      return results
-    xm.master_print(f'Resumed from {path} at epoch {first_epoch} step {first_step}')
-  checkpoint = functools.partial(save_checkpoint, cfg, model, optimizer, scheduler, results)
-
-  for epoch in range(first_epoch, cfg.num_epochs + 1):
-    if sampler is not None:  # Skips, on the host, the batches a resumed run has trained.
-      sampler.set_epoch(epoch, skip=first_step * cfg.batch_size)
-    train_loader.start = first_step
-    xm.master_print(f'Epoch {epoch} train begin {utils.now()}')
+  for epoch in range(run.epoch, cfg.num_epochs + 1):
+    first_step = run.step if epoch == run.epoch else 0
+    train_loader.set_epoch(epoch, first_step)  # Skips, on the host, what a resumed run trained.
+    xm.master_print(f'Epoch {epoch} train begin {test_utils.now()}')
     start, executed = time.time(), utils.execute_seconds()
-    steps, stopped = train_one_epoch(model, optimizer, scheduler, train_device_loader, epoch,
-                                     first_step, results['train_steps'], cfg, writer, stop,
-                                     checkpoint)
+    steps, stopped = train_one_epoch(run, train_device_loader, epoch, first_step)
     train_loader.check()
     xm.wait_device_ops()  # Time the device work, not just the tracing.
-    utils.flush_training_log()  # Its lines before the epoch's.
+    run.log.flush()  # Its lines before the epoch's.
     seconds = time.time() - start
-    busy = (utils.execute_seconds() - executed) / seconds  # Device time / wall time.
-    results['train_steps'] += steps
     results['train_seconds'] += seconds
     if stopped:
-      return stop_run(cfg, checkpoint, results, epoch, first_step + steps)
-    print(f'Epoch {epoch} Replica Train Samples={steps * cfg.batch_size} '
-          f'Device={device}/{rank}', flush=True)
-    rate = xm.mesh_reduce('epoch_rate', steps * cfg.batch_size / seconds, sum)
-    xm.master_print(f'Epoch {epoch} train end {utils.now()}, Reduced GlobalRate={rate:.2f}')
-
-    accuracy, correct, total = evaluate(model, test_device_loader)
-    test_loader.check()
-    xm.master_print(f'Epoch {epoch} test end {utils.now()}, Accuracy={accuracy:.2f}')
-    utils.write_scalars(writer, epoch, {'Accuracy/test': accuracy})
-    if cfg.metrics_debug:
-      xm.master_print(met.metrics_report())
-
-    best = accuracy > results['max_accuracy']
-    results.update(epochs=epoch, final_accuracy=accuracy, eval_correct=correct,
-                   eval_samples=total, max_accuracy=max(results['max_accuracy'], accuracy))
+      return stop_run(run, epoch, first_step + steps)
     if steps:
-      results['epoch_rates'].append(rate)
-      results['epoch_device_busy'].append(busy)
-    results['compilations_after_epoch'].append(utils.compile_count())
-    if cfg.ckpt_dir:
-      checkpoint(epoch + 1, 0, results['train_steps'], best=best)
-    if stop.agreed_at_epoch_end():
-      return stop_run(cfg, checkpoint, results, epoch + 1, 0)
-    first_step = 0
-
-  if writer is not None:
-    writer.close()
+      results['epoch_device_busy'].append((utils.execute_seconds() - executed) / seconds)
+    print(f'Epoch {epoch} Replica Train Samples={steps * cfg.batch_size} Device={device}/{rank}',
+          flush=True)
+    rate = xm.mesh_reduce('epoch_rate', steps * cfg.batch_size / seconds, sum)
+    results['epoch_rates'] += [rate] if steps else []
+    xm.master_print(f'Epoch {epoch} train end {test_utils.now()}, Reduced GlobalRate={rate:.2f}')
+    accuracy, *counts = evaluate(run.model, test_device_loader)
+    test_loader.check()
+    xm.master_print(f'Epoch {epoch} test end {test_utils.now()}, Accuracy={accuracy:.2f}')
+    if end_epoch(run, epoch, accuracy, counts):
+      return stop_run(run, epoch + 1, 0)
   del profiler
-  results['train_samples'] = results['train_steps'] * cfg.batch_size * world_size
-  results['global_rate'] = results['train_samples'] / max(results['train_seconds'], 1e-9)
-  results['compilations'] = utils.compile_count()
-  xm.master_print(f'Max Accuracy: {results["max_accuracy"]:.2f}%')
-  return results
-
-
-def stop_run(cfg, checkpoint, results, epoch, step):
-  """The end of a run stopped by SIGTERM at a step boundary: saves, says so."""
-  saved = checkpoint(epoch, step, results['train_steps']) if cfg.ckpt_dir else None
-  xm.master_print(f'Stopped by SIGTERM at epoch {epoch} step {step}: ' +
-                  (f'saved {saved}; run the same command to resume' if saved else
-                   'nothing saved (no --ckpt_dir)') + f' (exit code {utils.EXIT_PREEMPTED})')
-  results['preempted'] = True
-  return results
+  if run.log.writer is not None:
+    run.log.writer.close()
+  return utils.finish_results(results, cfg.batch_size * world_size)
 
 
 def _mp_fn(index, flag_values):
@@ -304,12 +304,7 @@ def _mp_fn(index, flag_values):
     utils.end_loader_workers()
   if xm.is_master_ordinal():
     utils.write_results(cfg.results_json, results)
-  if results.get('preempted'):
-    sys.exit(utils.EXIT_PREEMPTED)
-  if results['final_accuracy'] < cfg.target_accuracy:
-    xm.master_print(f'Accuracy {results["final_accuracy"]:.2f} is below target '
-                    f'{cfg.target_accuracy:.2f}')
-    sys.exit(EXIT_BELOW_TARGET)
+  sys.exit(utils.exit_code(results, cfg.target_accuracy))
 
 
 def main(argv):
@@ -320,21 +315,18 @@ def main(argv):
       flag_values[name] = value
   if FLAGS.bf16:
     os.environ['XLA_USE_BF16'] = '1'  # Inherited by the spawned replicas.
-  # Check the data here, once, before any replica starts: bad input is one line, not N.
+  # Check the inputs here, once, before any replica starts: bad input is one line, not N.
   try:
+    if not FLAGS.fake_data and not FLAGS.datadir:
+      raise utils.UsageError('give --datadir DIR (DIR/train/CLASS/*.jpg, DIR/val/CLASS/*.jpg) '
+                             'or --fake_data')
     if not FLAGS.fake_data:
-      if not FLAGS.datadir:
-        raise utils.UsageError('give --datadir DIR (DIR/train/CLASS/*.jpg, DIR/val/CLASS/*.jpg) '
-                               'or --fake_data')
-      train_dir, test_dir = (os.path.join(FLAGS.datadir, s) for s in ('train', 'val'))
-      classes = utils.check_image_folder(train_dir)
-      if utils.check_image_folder(test_dir) != classes:
-        raise utils.UsageError(f'{test_dir} and {train_dir} must hold the same class folders')
+      utils.check_image_folders(FLAGS.datadir, ('train', 'val'))
     if FLAGS.ckpt_dir:
       utils.check_checkpoint_dir(FLAGS.ckpt_dir)
   except utils.UsageError as e:
     utils.die(e)
-  utils.forward_sigterm_to_replicas(single_process=FLAGS.num_cores == 1)
+  utils.stop_on_sigterm(forward_to_replicas=FLAGS.num_cores != 1)
   torch_xla.launch(_mp_fn, args=(flag_values,), debug_single_process=FLAGS.num_cores == 1)
 
 

@@ -1,45 +1,54 @@
-"""Helpers shared by the training scripts of this repo.
-
-Only what is the same in every script lives here: flag errors, data checks, fake data,
-batch padding, resumable data order, log lines, TensorBoard, checkpoints, the stop on
-SIGTERM and the results file. Nothing here reads FLAGS;
-every value comes in as an argument, so a script copied out with this file beside it
-still works.
-"""
+"""What the training scripts share: one-line errors, image folders, the split of work
+across replicas, the training log, checkpoints and the stop on SIGTERM. Nothing here
+reads FLAGS or holds a script's choices, so a script copied out with this file beside it
+still works."""
 
 import collections
 import concurrent.futures
-import datetime
 import io
 import itertools
 import json
 import multiprocessing
 import os
 import pickle
-import random
 import re
 import signal
 import sys
 import threading
 
+import fsspec
 import torch
+import torch_xla
+import torch_xla.core.xla_model as xm
+import torch_xla.debug.metrics as met
+import torch_xla.runtime as xr
+import torch_xla.test.test_utils as test_utils
 import torchvision
 from absl import flags
 from PIL import Image
 
+EXIT_BELOW_TARGET = 21  # upstream's code for a run below --target_accuracy
+EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped by SIGTERM after a checkpoint; run it again.
 IMG_EXTENSIONS = torchvision.datasets.folder.IMG_EXTENSIONS
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
-
-# Models whose auxiliary heads return a tuple in training mode; the loop wants logits.
-_MODEL_KWARGS = {
-    'googlenet': dict(aux_logits=False, init_weights=True),
-    'inception_v3': dict(aux_logits=False, init_weights=True),
-}
+CHECKPOINT_NAME = re.compile(r'^ckpt-(\d+)\.pt$')
+CHECKPOINT_KEYS = ('model', 'optimizer', 'lr_scheduler', 'epoch', 'step', 'global_step', 'rng',
+                   'flags', 'results')
 
 
 class UsageError(Exception):
-  """A mistake the user can fix: the script prints it as one line and exits 2."""
+  """A mistake the user can fix: printed as one `error:` line, exit code 2."""
+
+
+class CheckpointError(UsageError):
+  """A checkpoint that cannot be used."""
+
+
+class BadDataError(Exception):
+  """An image file, shard or sample that cannot be read."""
+
+  def __str__(self):
+    # Raised in a DataLoader worker, it comes back inside the worker's traceback.
+    return super().__str__().strip().splitlines()[-1].split('BadDataError: ')[-1]
 
 
 def die(message, code=2):
@@ -58,35 +67,14 @@ def parse_flags(argv):
   return rest
 
 
-# ---------------------------------------------------------------------------- models
-
-
-def model_names():
-  """Every torchvision classification model, e.g. resnet50, vit_b_16, mobilenet_v3_small."""
-  return torchvision.models.list_models(module=torchvision.models)
-
-
 def create_model(name, num_classes):
   """A torchvision classifier with fresh weights (nothing is downloaded)."""
-  if name not in model_names():
-    raise UsageError(f'unknown --model {name!r}: use a torchvision classification model '
-                     'such as resnet18, resnet50 or mobilenet_v3_small')
-  return torchvision.models.get_model(
-      name, weights=None, num_classes=num_classes, **_MODEL_KWARGS.get(name, {}))
+  # Models with auxiliary heads return a tuple in training mode; the loop wants logits.
+  aux = dict(aux_logits=False, init_weights=True) if name in ('googlenet', 'inception_v3') else {}
+  return torchvision.models.get_model(name, weights=None, num_classes=num_classes, **aux)
 
 
-# ------------------------------------------------------------------------------ data
-
-
-class BadDataError(Exception):
-  """An image file, shard or sample that cannot be read."""
-
-  def __str__(self):
-    # Raised in a DataLoader worker, the message comes back wrapped in the worker's
-    # traceback, whose last line is the one we wrote.
-    return super().__str__().strip().splitlines()[-1].split('BadDataError: ')[-1]
-
-
+# ---------------------------------------------------------------------- image folders
 def load_image(path):
   """ImageFolder's loader, but a corrupt file names itself instead of a PIL traceback."""
   try:
@@ -96,21 +84,28 @@ def load_image(path):
     raise BadDataError(f'cannot read image {path} ({e}): replace or remove the file') from None
 
 
-def check_image_folder(root):
-  """Class names of an ImageFolder split (root/CLASS/*.jpg), or a UsageError saying what is wrong."""
-  if not os.path.isdir(root):
-    raise UsageError(f'{root} is not a folder: --datadir needs train/ and val/ with one '
-                     'folder of images per class (DIR/train/CLASS/x.jpg), or use --fake_data')
-  classes = sorted(e.name for e in os.scandir(root) if e.is_dir())
-  if not classes:
-    raise UsageError(f'{root} has no class folders: put the images of each class in '
-                     f'{root}/CLASS_NAME/')
-  for name in classes:
-    with os.scandir(os.path.join(root, name)) as entries:
-      if not any(e.is_file() and e.name.lower().endswith(IMG_EXTENSIONS) for e in entries):
-        raise UsageError(f'class folder {os.path.join(root, name)} has no images '
-                         f'({" ".join(IMG_EXTENSIONS)}): add images or remove the folder')
-  return classes
+def check_image_folders(root, splits):
+  """The class names of root/SPLIT/CLASS/*.jpg, the same in every split, or a UsageError
+  saying what is wrong."""
+  found = []
+  for folder in (os.path.join(root, split) for split in splits):
+    if not os.path.isdir(folder):
+      raise UsageError(f'{folder} is not a folder: {root} needs {" and ".join(splits)} with '
+                       f'one folder of images per class ({folder}/CLASS/x.jpg)')
+    classes = sorted(e.name for e in os.scandir(folder) if e.is_dir())
+    if not classes:
+      raise UsageError(f'{folder} has no class folders: put the images of each class in '
+                       f'{folder}/CLASS_NAME/')
+    for name in classes:
+      with os.scandir(os.path.join(folder, name)) as entries:
+        if not any(e.is_file() and e.name.lower().endswith(IMG_EXTENSIONS) for e in entries):
+          raise UsageError(f'class folder {os.path.join(folder, name)} has no images '
+                           f'({" ".join(IMG_EXTENSIONS)}): add images or remove the folder')
+    if found and classes != found:
+      raise UsageError(f'{folder} and {os.path.join(root, splits[0])} must hold the same '
+                       'class folders')
+    found = classes
+  return found
 
 
 def image_folder(root, img_dim, train):
@@ -118,97 +113,39 @@ def image_folder(root, img_dim, train):
   T = torchvision.transforms
   if train:
     transform = [T.RandomResizedCrop(img_dim), T.RandomHorizontalFlip()]
-  else:
-    # Resize to 256/224 of the crop, as torchvision's references do at 224 px.
+  else:  # Resize to 256/224 of the crop, as torchvision's references do at 224 px.
     transform = [T.Resize(img_dim * 256 // 224), T.CenterCrop(img_dim)]
-  transform += [T.ToTensor(), T.Normalize(IMAGENET_MEAN, IMAGENET_STD)]
+  transform += [T.ToTensor(), T.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))]
   return torchvision.datasets.ImageFolder(root, T.Compose(transform), loader=load_image)
 
 
-class FakeBatches:
-  """The same batch of constant tensors num_batches times: no host work at all, so a run
-  measures the device (as upstream's SampleGenerator does)."""
-
-  def __init__(self, batch_size, img_dim, num_batches):
-    self.batch = (torch.zeros(batch_size, 3, img_dim, img_dim),
-                  torch.zeros(batch_size, dtype=torch.int64))
-    self.num_batches = num_batches
-
-  def __len__(self):
-    return self.num_batches
-
-  def __iter__(self):
-    for _ in range(self.num_batches):
-      yield self.batch
-
-
-class PaddedSubset(torch.utils.data.Dataset):
-  """dataset[i] for each i of indices; an index of -1 gives (blank, -1), a padding sample
-  that evaluation does not count (see eval_indices)."""
-
-  def __init__(self, dataset, indices, blank):
-    self.dataset, self.indices, self.blank = dataset, indices, blank
-
-  def __len__(self):
-    return len(self.indices)
-
-  def __getitem__(self, i):
-    index = self.indices[i]
-    return (self.blank, -1) if index < 0 else self.dataset[index]
-
-
 # ------------------------------------------------- splitting work across replicas
+class EpochSampler(torch.utils.data.DistributedSampler):
+  """This replica's share of an epoch in an order set by (seed, epoch), each index paired
+  with its augmentation's seed (for SeededSamples), from the step set_epoch gives on.
+  drop_last=True drops the remainder (under world_size samples) where the default would
+  repeat samples: no sample goes to two replicas."""
 
+  def __init__(self, dataset, rank, world_size, seed, batch_size):
+    super().__init__(dataset, world_size, rank, shuffle=True, seed=seed, drop_last=True)
+    self.batch_size, self.skip = batch_size, 0
 
-def train_sampler(dataset, rank, world_size, seed):
-  """This replica's share of the training set as an EpochSampler: reshuffled by
-  set_epoch(epoch), each index paired with its augmentation seed (use SeededSamples).
-
-  drop_last=True: DistributedSampler would otherwise pad the shares to equal length by
-  repeating samples, training some twice an epoch. Dropping the remainder (fewer than
-  world_size samples) gives every replica the same share and no sample to two replicas.
-  The order is a function of (seed, epoch) alone.
-  """
-  return EpochSampler(torch.utils.data.DistributedSampler(
-      dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=True), seed)
-
-
-def sample_seed(seed, epoch, index):
-  """The seed of one sample's augmentation: the same whichever worker loads it, and
-  whether or not the run was resumed."""
-  return (seed * 1_000_003 + epoch) * 2**32 + index
-
-
-class EpochSampler(torch.utils.data.Sampler):
-  """A sampler's order for one epoch from a given batch on, each index paired with the
-  seed of that sample's augmentation (for SeededSamples).
-
-  set_epoch(epoch, skip) starts the epoch after `skip` samples: a resumed run skips what
-  was trained on the host, without loading it. The order is the wrapped sampler's, a
-  function of (seed, epoch) alone.
-  """
-
-  def __init__(self, sampler, seed):
-    self.sampler, self.seed = sampler, seed
-    self.epoch, self.skip = 0, 0
-
-  def set_epoch(self, epoch, skip=0):
-    self.sampler.set_epoch(epoch)
-    self.epoch, self.skip = epoch, skip
+  def set_epoch(self, epoch, first_step=0):
+    super().set_epoch(epoch)
+    self.skip = first_step * self.batch_size
 
   def __len__(self):
-    return len(self.sampler) - self.skip
+    return super().__len__() - self.skip
 
   def __iter__(self):
-    for index in itertools.islice(self.sampler, self.skip, None):
-      yield sample_seed(self.seed, self.epoch, index), index
+    for index in itertools.islice(super().__iter__(), self.skip, None):
+      yield (self.seed * 1_000_003 + self.epoch) * 2**32 + index, index
 
 
 class SeededSamples(torch.utils.data.Dataset):
-  """dataset[index] with torch's RNG seeded for that sample (torchvision's random
-  transforms draw from it), keyed by (seed, index) from EpochSampler. Seeding per sample
-  rather than per worker makes the crops independent of which worker loads a sample, so a
-  resumed run sees the very images an uninterrupted run would."""
+  """dataset[index] with torch's RNG (torchvision's random transforms draw from it) seeded
+  by the key's seed: a crop does not depend on which loader worker makes it, so a resumed
+  run sees the very images an uninterrupted run would."""
 
   def __init__(self, dataset):
     self.dataset = dataset
@@ -217,104 +154,47 @@ class SeededSamples(torch.utils.data.Dataset):
     return len(self.dataset)
 
   def __getitem__(self, key):
-    seed, index = key
     with torch.random.fork_rng(devices=[]):
-      torch.manual_seed(seed)
-      return self.dataset[index]
+      torch.manual_seed(key[0])
+      return self.dataset[key[1]]
 
 
-def ignore_sigterm(worker_id=None):
-  """DataLoader worker_init_fn: on a TPU VM shutdown every process gets SIGTERM; the
-  workers keep serving batches so the training process can finish its step and save.
-  They exit when their loader is done or its process dies; end_loader_workers() ends
-  any left at exit."""
-  signal.signal(signal.SIGTERM, signal.SIG_IGN)
+def eval_share(dataset, rank, world_size, batch_size, blank):
+  """Samples rank, rank + world_size, ... of dataset, padded with (blank, -1), which is not
+  counted, to the same whole number of batches on every replica: every sample counts
+  once, every replica runs the same steps (one that stopped early would leave the others
+  waiting in a collective, pytorch/xla#2749), every batch has one shape (one graph)."""
+  steps = -(-len(dataset) // world_size // batch_size)
+  share = torch.utils.data.Subset(dataset, range(rank, len(dataset), world_size))
+  return torch.utils.data.ConcatDataset([share, [(blank, -1)] * (steps * batch_size - len(share))])
 
 
-def end_loader_workers():
-  """Kills this process's loader workers still alive (after an error, the traceback may
-  keep a loader alive). They ignore SIGTERM, which is what multiprocessing's exit would
-  send them before waiting for them forever."""
-  for process in multiprocessing.active_children():
-    process.kill()
-    process.join()
+class EpochLoader:
+  """At most num_batches batches of loader an epoch, from set_epoch's first_step on (the
+  `order`, a sampler or dataset, skips the trained batches; a None it sends is dropped).
+  Capping here, not by breaking out of MpDeviceLoader's loop, leaves no thread behind. An
+  error in the loader would end the device loader's epoch silently: check() raises it."""
 
-
-def train_steps_per_epoch(num_samples, world_size, batch_size):
-  """Steps every replica runs an epoch: whole batches of its equal share."""
-  return num_samples // world_size // batch_size
-
-
-def eval_indices(num_samples, rank, world_size, batch_size):
-  """This replica's evaluation samples, padded with -1 to a whole number of batches.
-
-  Replica r takes samples r, r + world_size, ...: every sample is evaluated exactly
-  once in all. Every replica runs the same number of steps (a replica that stopped
-  early would leave the others waiting in the next collective, pytorch/xla#2749), and
-  every batch has the same shape (one compiled graph); padding has label -1.
-  """
-  share = -(-num_samples // world_size)
-  steps = -(-share // batch_size)
-  indices = list(range(rank, num_samples, world_size))
-  return indices + [-1] * (steps * batch_size - len(indices))
-
-
-def shards_for(urls, rank, world_size, worker, num_workers, seed, epoch):
-  """The shards one loader worker of one replica reads in an epoch.
-
-  The list is shuffled the same way on every replica (from seed and epoch), then dealt
-  out: replica r takes every world_size-th shard from r, and its worker w every
-  num_workers-th of those. Every shard is read by exactly one (replica, worker) per
-  epoch, and the order differs every epoch. Needs len(urls) >= world_size * num_workers.
-  """
-  order = list(urls)
-  random.Random(f'{seed}/{epoch}').shuffle(order)
-  return order[rank::world_size][worker::num_workers]
-
-
-def warmup_step_decay(step, steps_per_epoch, warmup_epochs, divide_every_n_epochs, divisor):
-  """Learning-rate factor at a global step: linear warm-up from 0, then divide by divisor
-  every divide_every_n_epochs epochs (upstream's WarmupAndExponentialDecayScheduler).
-
-  A function of the step alone, so a resumed run picks up the exact value.
-  """
-  warmup_steps = warmup_epochs * steps_per_epoch
-  if step < warmup_steps:
-    return (step + 1) / warmup_steps
-  return 1.0 / divisor**(step // steps_per_epoch // divide_every_n_epochs)
-
-
-class CappedLoader:
-  """Yields at most num_batches batches of loader per epoch, on the host.
-
-  Set .start to the steps of the epoch already trained (a resumed run) and it yields
-  only the rest; the loader itself must skip those batches too (EpochSampler.set_epoch).
-  Capping before MpDeviceLoader (rather than breaking out of its loop) leaves no
-  background thread behind. An exception in the loader (a corrupt image) would end
-  the device loader's epoch silently early; it is kept here and raised by check().
-  """
-
-  def __init__(self, loader, num_batches):
-    self.loader = loader
+  def __init__(self, loader, num_batches, order=None):
+    self.loader, self.order, self.first_step, self.error = loader, order, 0, None
     try:
       self.num_batches = min(len(loader), num_batches)
     except TypeError:  # An iterable dataset has no length: the cap is the epoch.
       self.num_batches = num_batches
-    self.start = 0
-    self.error = None
 
-  def __len__(self):
-    return self.num_batches - self.start
+  def set_epoch(self, epoch, first_step=0):
+    if self.order is not None:
+      self.order.set_epoch(epoch, first_step)
+    self.first_step = first_step
 
   def __iter__(self):
     self.error = None
-    if len(self) <= 0:
+    if self.first_step >= self.num_batches:
       return  # Without starting loader workers for nothing.
-    try:
-      # islice stops at the cap without asking for one more batch, which would read (and
-      # count) data the epoch does not use.
-      yield from itertools.islice(self.loader, len(self))
-    except Exception as e:  # Raised in the main thread by check().
+    try:  # islice: no batch past the cap is asked for (or read, or counted).
+      batches = (batch for batch in self.loader if batch is not None)
+      yield from itertools.islice(batches, self.num_batches - self.first_step)
+    except Exception as e:
       self.error = e
 
   def check(self):
@@ -322,115 +202,108 @@ class CappedLoader:
       raise self.error
 
 
-# --------------------------------------------------------------------------- logging
+def warmup_step_decay(step, steps_per_epoch, warmup_epochs, divide_every_n_epochs, divisor):
+  """LR factor at a global step: linear warm-up from 0, then a division by divisor every
+  divide_every_n_epochs (upstream's WarmupAndExponentialDecayScheduler). A function of the
+  step alone, so a resumed run picks up the exact value."""
+  warmup_steps = warmup_epochs * steps_per_epoch
+  if step < warmup_steps:
+    return (step + 1) / warmup_steps
+  return 1.0 / divisor**(step // steps_per_epoch // divide_every_n_epochs)
 
 
-def now():
-  return datetime.datetime.now().strftime('%H:%M:%S')
+# ---------------------------------------------------------------- logging and results
+class StepLog:
+  """Training lines (pytorch/xla's, which TPU users grep for) and TensorBoard scalars, in
+  order, from a thread of their own. add() is a step closure: reading the loss waits for
+  the step's graph, and in the training thread the device would wait for the next step's
+  tracing. (run_async closures cannot be waited for: their lines could trail the epoch.)"""
 
+  def __init__(self, device, writer):
+    self.device, self.writer, self.pending = device, writer, collections.deque()
+    self.thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix='log')
 
-def training_line(device, ordinal, epoch, step, loss, rate, global_rate):
-  """The per-step line of pytorch/xla's test scripts, which TPU users grep for."""
-  return (f'| Training Device={device}/{ordinal} Epoch={epoch} Step={step} '
-          f'Loss={loss:.5f} Rate={rate:.2f} GlobalRate={global_rate:.2f} Time={now()}')
+  def add(self, epoch, step, global_step, loss, tracker, lr):
+    self.pending.append(self.thread.submit(self._print, epoch, step, global_step, loss,
+                                           tracker, lr))
 
+  def _print(self, epoch, step, global_step, loss, tracker, lr):
+    loss, rate = loss.item(), tracker.rate()
+    test_utils.print_training_update(self.device, step, loss, rate, tracker.global_rate(), epoch)
+    test_utils.write_to_summary(self.writer, global_step,
+                                {'Loss/train': loss, 'Rate/train': rate, 'LR': lr})
 
-# Training lines are printed in order by a thread of their own, started at the first line;
-# _LOG_PENDING holds those not printed yet.
-_LOG_THREAD = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix='log')
-_LOG_PENDING = collections.deque()
-
-
-def log_training_step(device, ordinal, epoch, step, global_step, loss, tracker, lr, writer):
-  """The step closure of every script (xm.add_step_closure). It runs once the step's graph
-  is launched; reading the loss waits until the graph has run, so a thread of its own reads
-  and prints it while this one traces the next step. Read here, the device would sit idle
-  for a whole step's tracing at every logged step."""
-  _LOG_PENDING.append(_LOG_THREAD.submit(_print_training_step, device, ordinal, epoch, step,
-                                         global_step, loss, tracker, lr, writer))
-
-
-def _print_training_step(device, ordinal, epoch, step, global_step, loss, tracker, lr, writer):
-  loss, rate = loss.item(), tracker.rate()
-  print(training_line(device, ordinal, epoch, step, loss, rate, tracker.global_rate()), flush=True)
-  write_scalars(writer, global_step, {'Loss/train': loss, 'Rate/train': rate, 'LR': lr})
-
-
-def flush_training_log():
-  """Waits until every training line logged so far is printed (and raises what failed)."""
-  while _LOG_PENDING:
-    _LOG_PENDING.popleft().result()
-
-
-def summary_writer(logdir):
-  """A TensorBoard writer for logdir, or None when no --logdir was given."""
-  if not logdir:
-    return None
-  from torch.utils.tensorboard import SummaryWriter
-  return SummaryWriter(logdir)
-
-
-def write_scalars(writer, step, scalars):
-  if writer is not None:
-    for name, value in scalars.items():
-      writer.add_scalar(name, value, step)
+  def flush(self):
+    """Waits until every line added so far is printed (and raises what failed)."""
+    while self.pending:
+      self.pending.popleft().result()
 
 
 def execute_seconds():
   """Seconds this process's XLA graphs have spent executing (torch_xla's ExecuteTime)."""
-  import torch_xla.debug.metrics as met
-  data = met.metric_data('ExecuteTime')
-  return data[1] / 1e9 if data else 0.0
+  return (met.metric_data('ExecuteTime') or (0, 0))[1] / 1e9
 
 
 def compile_count():
   """XLA graphs compiled so far by this process (torch_xla's CompileTime metric)."""
-  import torch_xla.debug.metrics as met  # Here, so that scripts without a device skip it.
-  data = met.metric_data('CompileTime')
-  return data[0] if data else 0
+  return (met.metric_data('CompileTime') or (0,))[0]
+
+
+def finish_results(results, samples_per_step):
+  """Adds the run's totals to its results; the master prints the last two lines."""
+  results['train_samples'] = results['train_steps'] * samples_per_step
+  results['global_rate'] = results['train_samples'] / max(results['train_seconds'], 1e-9)
+  results['compilations'] = compile_count()
+  xm.master_print(f'Total train time: {results["train_seconds"]:.1f} s', flush=True)
+  xm.master_print(f'Max Accuracy: {results["max_accuracy"]:.2f}%', flush=True)
+  return results
+
+
+def exit_code(results, target_accuracy):
+  """EXIT_PREEMPTED after a stop by SIGTERM, EXIT_BELOW_TARGET (said in a line) when the
+  final accuracy is below the target, else 0."""
+  if results.get('preempted'):
+    return EXIT_PREEMPTED
+  if results['final_accuracy'] < target_accuracy:
+    xm.master_print(f'Accuracy {results["final_accuracy"]:.2f} is below target '
+                    f'{target_accuracy:.2f}', flush=True)
+    return EXIT_BELOW_TARGET
+  return 0
+
+
+def write_results(path, results):
+  """Writes results as JSON (a local path or URL), atomically: nobody reads half a file."""
+  if path:
+    fs, local = fsspec.core.url_to_fs(path)
+    fs.makedirs(os.path.dirname(local) or '.', exist_ok=True)
+    write_atomically(json.dumps(results, indent=2).encode() + b'\n', path)
+
+
+def write_atomically(data, url):
+  """Writes bytes under a temporary name and renames: a kill mid-write leaves the old file."""
+  fs, path = fsspec.core.url_to_fs(url)
+  with fs.open(f'{path}.tmp{os.getpid()}', 'wb') as f:
+    f.write(data)
+    try:  # A local file: on disk before the rename, in case the VM goes down.
+      f.flush()
+      os.fsync(f.fileno())
+    except (AttributeError, OSError, ValueError):  # Not a local file: the store commits it.
+      pass
+  fs.mv(f'{path}.tmp{os.getpid()}', path)
 
 
 # ----------------------------------------------------------------------- checkpoints
-
-CHECKPOINT_NAME = re.compile(r'^ckpt-(\d+)\.pt$')
-CHECKPOINT_KEYS = ('model', 'optimizer', 'lr_scheduler', 'epoch', 'step', 'global_step', 'rng',
-                   'flags', 'results')
-# Flags that may change between a run and its resumption without changing what it computes.
-RESTART_FLAGS = {'resume', 'ckpt_dir', 'ckpt_every_steps', 'keep_checkpoints', 'num_epochs',
-                 'log_steps', 'logdir', 'results_json', 'metrics_debug', 'profile',
-                 'profiler_port', 'target_accuracy', 'num_workers', 'persistent_workers',
-                 'prefetch_factor', 'loader_prefetch_size', 'device_prefetch_size',
-                 'host_to_device_transfer_threads', 'fail_on_bad_data', 'num_cores'}
-EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped by SIGTERM after a checkpoint; run it again.
-
-
-class CheckpointError(Exception):
-  """A checkpoint that cannot be used, with the reason in one line."""
-
-
-def _url_join(folder, name):
-  return f'{folder.rstrip("/")}/{name}'
-
-
-def checkpoint_path(ckpt_dir, global_step):
-  return _url_join(ckpt_dir, f'ckpt-{global_step:08d}.pt')
-
-
 def check_checkpoint_dir(ckpt_dir):
-  """Creates ckpt_dir and writes a probe file in it, so that a folder or bucket that cannot
-  take checkpoints fails before any training; removes temporary files of a save that
-  was killed. Raises UsageError."""
-  import fsspec
+  """Creates ckpt_dir, removes what a killed save left, and writes a probe file there: a
+  place that takes no checkpoints fails before training."""
   try:
     fs, path = fsspec.core.url_to_fs(ckpt_dir)
     fs.makedirs(path, exist_ok=True)
-    probe = _url_join(path, f'.write-test-{os.getpid()}')
-    with fs.open(probe, 'wb') as f:
-      f.write(b'ok')
-    fs.rm(probe)
     for name in fs.ls(path, detail=False):
       if '.pt.tmp' in name.rsplit('/', 1)[-1]:
         fs.rm(name)
+    fs.pipe_file(f'{path.rstrip("/")}/.write-test-{os.getpid()}', b'ok')
+    fs.rm(f'{path.rstrip("/")}/.write-test-{os.getpid()}')
   except Exception as e:  # PermissionError, NotADirectoryError, a bucket's auth error, ...
     raise UsageError(f'cannot write checkpoints to --ckpt_dir {ckpt_dir} ({type(e).__name__}: '
                      f'{e}): give a folder or bucket this job can write') from None
@@ -438,69 +311,29 @@ def check_checkpoint_dir(ckpt_dir):
 
 def list_checkpoints(ckpt_dir):
   """{global_step: path} of the checkpoints in ckpt_dir."""
-  import fsspec
   fs, path = fsspec.core.url_to_fs(ckpt_dir)
-  if not fs.exists(path):
-    return {}
-  found = {}
-  for name in fs.ls(path, detail=False):
-    match = CHECKPOINT_NAME.match(name.rsplit('/', 1)[-1])
-    if match:
-      found[int(match.group(1))] = _url_join(ckpt_dir, match.group(0))
-  return found
-
-
-def _write_atomically(data, url):
-  """Writes bytes under a temporary name and renames: a kill mid-write leaves the old file."""
-  import fsspec
-  fs, path = fsspec.core.url_to_fs(url)
-  tmp = f'{path}.tmp{os.getpid()}'
-  with fs.open(tmp, 'wb') as f:
-    f.write(data)
-    try:  # A local file: on disk before the rename, in case the VM goes down.
-      f.flush()
-      os.fsync(f.fileno())
-    except (AttributeError, OSError, ValueError):  # Not a local file: the store commits it.
-      pass
-  fs.mv(tmp, path)
-
-
-def save_to_url(obj, url):
-  """torch.save to a local path or any fsspec URL (gs://...), atomically."""
-  import fsspec
-  fs, path = fsspec.core.url_to_fs(url)
-  fs.makedirs(os.path.dirname(path) or '.', exist_ok=True)
-  buffer = io.BytesIO()
-  torch.save(obj, buffer)
-  _write_atomically(buffer.getvalue(), url)
+  names = [name.rsplit('/', 1)[-1] for name in fs.ls(path, detail=False)] if fs.exists(path) else []
+  return {int(m.group(1)): f'{ckpt_dir.rstrip("/")}/{m.group(0)}'
+          for m in map(CHECKPOINT_NAME.match, names) if m}
 
 
 def save_checkpoint(state, ckpt_dir, keep, best):
-  """Saves the training state as ckpt_dir/ckpt-GLOBALSTEP.pt (and best.pt if best) and
-  returns the path. Called by every replica at the same step: all copy their tensors to
-  the host, only the global master writes, and none goes on before the file is complete.
-  Keeps the newest `keep` checkpoints; removes any newer than this one (left by a run that
-  was rolled back to an older checkpoint)."""
-  import fsspec
-  import torch_xla
-  import torch_xla.core.xla_model as xm
-  import torch_xla.runtime as xr
+  """Saves ckpt_dir/ckpt-GLOBALSTEP.pt (and best.pt); returns its path. Every replica calls
+  it at the same step; the master writes, and none goes on before the file is complete.
+  Keeps the newest `keep` up to this one (newer ones are from a rolled-back run)."""
   torch_xla.sync()  # Runs the step still being traced, so that saving only copies data.
   master = xm.is_master_ordinal(local=False)
   buffer = io.BytesIO() if master else None
   xm.save(state, buffer, master_only=True, global_master=True)
-  path = checkpoint_path(ckpt_dir, state['global_step'])
+  path = f'{ckpt_dir.rstrip("/")}/ckpt-{state["global_step"]:08d}.pt'
   if master:
-    data = buffer.getvalue()
-    _write_atomically(data, path)
+    write_atomically(buffer.getvalue(), path)
     if best:
-      _write_atomically(data, _url_join(ckpt_dir, 'best.pt'))
-    fs, _ = fsspec.core.url_to_fs(ckpt_dir)
+      write_atomically(buffer.getvalue(), f'{ckpt_dir.rstrip("/")}/best.pt')
     saved = list_checkpoints(ckpt_dir)
     kept = sorted(step for step in saved if step <= state['global_step'])[-keep:]
-    for step, old in saved.items():
-      if step not in kept:
-        fs.rm(fsspec.core.url_to_fs(old)[1])
+    for old in (saved[step] for step in saved if step not in kept):
+      fsspec.core.url_to_fs(old)[0].rm(fsspec.core.url_to_fs(old)[1])
     print(f'Saved checkpoint {path}', flush=True)
   if xr.world_size() > 1:
     xm.rendezvous('checkpoint_saved')
@@ -508,14 +341,10 @@ def save_checkpoint(state, ckpt_dir, keep, best):
 
 
 def load_checkpoint(path):
-  """The checkpoint at path (local or fsspec URL) with CPU tensors, or CheckpointError.
-
-  weights_only=True: a checkpoint holds tensors and plain values only; one holding any
-  other object is refused, since unpickling it could run code."""
-  import fsspec
+  """The checkpoint at path (local or URL) with CPU tensors, or CheckpointError. Only
+  tensors and plain values load (weights_only): unpickling other objects could run code."""
   try:
-    fs, local = fsspec.core.url_to_fs(path)
-    with fs.open(local, 'rb') as f:
+    with fsspec.open(path, 'rb') as f:
       state = torch.load(f, map_location='cpu', weights_only=True)
   except pickle.UnpicklingError:
     raise CheckpointError(f'checkpoint {path} holds objects other than tensors and plain '
@@ -531,114 +360,81 @@ def load_checkpoint(path):
 
 
 def find_checkpoint(resume, ckpt_dir):
-  """(path, state) to resume from: --resume PATH if given (a bad one is a UsageError),
-  else the newest readable checkpoint of ckpt_dir, reporting each unreadable newer one in
-  a line; (None, None) when there is none."""
-  if resume:
+  """(path, state) to resume from, the same on every replica, or (None, None): --resume
+  PATH, else the newest readable checkpoint in ckpt_dir (with a warning line for each
+  unreadable newer one). The master chooses; the others follow."""
+  path, state = None, None
+  if xm.is_master_ordinal(local=False) and resume:
     try:
-      return resume, load_checkpoint(resume)
+      path, state = resume, load_checkpoint(resume)
     except CheckpointError as e:
       raise UsageError(f'--resume: {e}') from None
-  if not ckpt_dir:
-    return None, None
-  for _, path in sorted(list_checkpoints(ckpt_dir).items(), reverse=True):
-    try:
-      return path, load_checkpoint(path)
-    except CheckpointError as e:
-      print(f'warning: {e}; trying the previous one', file=sys.stderr, flush=True)
-  return None, None
-
-
-def replica_checkpoint(resume, ckpt_dir):
-  """find_checkpoint for the replicas of a run: the same (path, state) on every one. The
-  master chooses (reporting unreadable ones), the others load what it chose."""
-  import torch_xla.core.xla_model as xm
-  path, state = find_checkpoint(resume, ckpt_dir) if xm.is_master_ordinal() else (None, None)
-  path = xm.mesh_reduce('resume_from', path, lambda paths: paths[0])
-  if path is not None and state is None:
-    try:
-      state = load_checkpoint(path)
-    except CheckpointError as e:
-      raise UsageError(f'{e}: on a pod, --ckpt_dir must be one place every host reads '
-                       '(e.g. gs://bucket/run)') from None
+  elif xm.is_master_ordinal(local=False) and ckpt_dir:
+    for _, found in sorted(list_checkpoints(ckpt_dir).items(), reverse=True):
+      try:
+        path, state = found, load_checkpoint(found)
+        break
+      except CheckpointError as e:
+        print(f'warning: {e}; trying the previous one', file=sys.stderr, flush=True)
+  if xr.world_size() > 1:
+    path = xm.mesh_reduce('resume_from', path, lambda paths: paths[0])
+    state = state or (load_checkpoint(path) if path else None)
   return path, state
 
 
-def load_model_state(model, state_dict, path, model_name, num_classes):
-  """Loads a checkpoint's weights, or a UsageError naming what differs, not a wall of keys."""
-  ours = model.state_dict()
-  theirs_shapes = {k: tuple(v.shape) for k, v in state_dict.items()}
-  ours_shapes = {k: tuple(v.shape) for k, v in ours.items()}
-  if theirs_shapes != ours_shapes:
-    missing = sorted(set(ours_shapes) - set(theirs_shapes))
-    reshaped = [k for k in ours_shapes if k in theirs_shapes and ours_shapes[k] != theirs_shapes[k]]
-    detail = (f'{len(missing)} of its weights are missing, e.g. {missing[0]}' if missing else
-              f'{reshaped[0]} is {list(theirs_shapes[reshaped[0]])} there, '
-              f'{list(ours_shapes[reshaped[0]])} here')
-    raise UsageError(f'checkpoint {path} was made for another model or number of classes than '
-                     f'--model {model_name} with {num_classes} classes ({detail}): use another '
-                     '--ckpt_dir or the flags of that run')
-  model.load_state_dict(state_dict)
-
-
-def changed_flags(saved, current):
-  """'--name old -> new' for each flag that changes what a resumed run computes."""
-  return [f'--{name} {saved[name]!r} -> {current[name]!r}' for name in sorted(current)
-          if name in saved and name not in RESTART_FLAGS and saved[name] != current[name]]
-
-
-def restore(state, path, model, optimizer, scheduler, flag_values, num_classes, report=True):
-  """Loads a checkpoint's training state into this run; returns (epoch, step, results)
-  to go on from: `step` steps of `epoch` are done. report: warn of changed flags."""
-  load_model_state(model, state['model'], path, flag_values['model'], num_classes)
+def restore(state, path, model, optimizer, scheduler):
+  """Loads a checkpoint's weights, optimizer, schedule and RNG states into this run; one of
+  another model or class count is a UsageError naming what differs."""
+  ours = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+  theirs = {k: tuple(v.shape) for k, v in state['model'].items()}
+  if ours != theirs:
+    missing, extra = sorted(set(ours) - set(theirs)), sorted(set(theirs) - set(ours))
+    reshaped = [k for k in ours if k in theirs and ours[k] != theirs[k]]
+    detail = (f'{len(missing)} of this model\'s weights are missing, e.g. {missing[0]}' if missing
+              else f'it has {len(extra)} weights this model lacks, e.g. {extra[0]}' if extra
+              else f'{reshaped[0]} is {list(theirs[reshaped[0]])} there, '
+              f'{list(ours[reshaped[0]])} here')
+    raise UsageError(f'checkpoint {path} was made for another model or number of classes '
+                     f'({detail}; it was saved with --model {state["flags"].get("model")}): '
+                     'use the flags of that run, or another --ckpt_dir')
+  model.load_state_dict(state['model'])
   optimizer.load_state_dict(state['optimizer'])
   if scheduler is not None and state['lr_scheduler'] is not None:
     scheduler.load_state_dict(state['lr_scheduler'])
-  set_rng_state(state['rng'])
-  changed = changed_flags(state['flags'], flag_values)
-  if changed and report:
-    print(f'warning: resuming {path} with other flags ({"; ".join(changed)}): the run will '
-          'differ from one never interrupted', file=sys.stderr, flush=True)
-  results = dict(state['results'], train_steps=state['global_step'])
-  return state['epoch'], state['step'], results
+  torch.set_rng_state(state['rng']['torch'])
+  xm.set_rng_state(state['rng']['xla'])
 
 
-def rng_state():
-  """The RNG states a step may draw from: torch's CPU generator and the XLA device's."""
-  import torch_xla.core.xla_model as xm
-  return dict(torch=torch.get_rng_state(), xla=xm.get_rng_state())
-
-
-def set_rng_state(state):
-  import torch_xla.core.xla_model as xm
-  torch.set_rng_state(state['torch'])
-  xm.set_rng_state(state['xla'])
+def warn_changed_flags(path, saved, current, unchanged_results):
+  """A warning line naming the flags that differ from the checkpoint's, but for those in
+  unchanged_results (they do not change what is computed)."""
+  changed = [f'--{name} {saved[name]!r} -> {current[name]!r}' for name in sorted(current)
+             if name in saved and name not in unchanged_results and saved[name] != current[name]]
+  if changed:
+    xm.master_print(f'warning: resuming {path} with other flags ({"; ".join(changed)}): the '
+                    'run will differ from one never interrupted', fd=sys.stderr, flush=True)
 
 
 # -------------------------------------------------------------------------- stopping
-
-
 # A plain flag: a handler must take no lock, since a second SIGTERM (the launcher passing
 # one on after the VM sent one) can run it while the first is still inside it.
-_SIGTERM = [False]
+_sigterm_seen = False
 
 
-def stop_on_sigterm():
-  """Makes SIGTERM (what a TPU VM gets before maintenance or a preemption) a request to stop
-  that StopRequest reads, instead of the end of the process. Python lets only the main
-  thread install a handler, so call it there (torch_xla.launch trains in another thread)."""
-  signal.signal(signal.SIGTERM, _on_sigterm)
+def stop_on_sigterm(forward_to_replicas=False):
+  """Makes SIGTERM (a TPU VM's warning before maintenance or preemption) a request to stop.
+  Only a main thread may install a handler: a replica calls this while it imports the
+  script. A launcher forwards it, so that `kill PID` stops the replicas too."""
+  signal.signal(signal.SIGTERM, _forward_sigterm if forward_to_replicas else _on_sigterm)
 
 
 def _on_sigterm(signum, frame):
-  _SIGTERM[0] = True
+  global _sigterm_seen
+  _sigterm_seen = True
 
 
-def forward_sigterm_to_replicas(single_process):
-  """In the launching process: pass SIGTERM on to the replica processes, so that `kill PID`
-  of the command stops them at a step boundary too; with single_process the replica is
-  this process and takes it itself."""
-  signal.signal(signal.SIGTERM, _on_sigterm if single_process else _forward_sigterm)
+def stop_requested():
+  return _sigterm_seen
 
 
 def _forward_sigterm(signum, frame):
@@ -650,60 +446,46 @@ def _forward_sigterm(signum, frame):
 
 
 def exit_with_launcher():
-  """In a replica process started by torch_xla.launch (not while it imports the script:
-  the launcher is known from then on): exit as soon as the launching process is gone. A launcher killed with SIGKILL cannot stop its replicas, which would
-  otherwise train on, holding the TPU, with nobody to read their output."""
+  """In a replica (from _mp_fn, once the launcher is known): exit when the launcher is
+  gone. One killed by SIGKILL cannot stop its replicas, which would hold the TPU."""
   launcher = multiprocessing.parent_process()
   if launcher is not None:
-    threading.Thread(target=_exit_when_gone, args=(launcher,), daemon=True).start()
+    threading.Thread(target=lambda: launcher.join() or os._exit(128 + signal.SIGKILL),
+                     daemon=True).start()
 
 
-def _exit_when_gone(launcher):
-  launcher.join()
-  os._exit(128 + signal.SIGKILL)
-
-
-class StopRequest:
-  """A SIGTERM seen as a stop at a step boundary, the same one on every replica.
-
-  Each step all-reduces this replica's flag inside the step's graph, and reads the sum
-  computed LAG steps earlier, which is long done: no wait for the device, no extra graph
-  execution, and every replica reads the same number after the same step.
-  """
+class StopVote:
+  """A SIGTERM as a stop after the same step on every replica: each step all-reduces the
+  flags inside its graph and reads the sum of LAG steps earlier, long computed."""
   LAG = 2
 
-  def __init__(self):
+  def __init__(self, device):
+    # Two device buffers, copied once: a step passes one, with no transfer per step. Not
+    # scalars, which torch_xla would turn into constants, a graph of their own.
+    self.flags = (torch.zeros(1).to(device), torch.ones(1).to(device))
     self.votes = collections.deque()
-    self.flags = None
 
-  @property
-  def requested(self):
-    """Whether this process got SIGTERM (see stop_on_sigterm)."""
-    return _SIGTERM[0]
-
-  def agreed_after_step(self, device):
+  def agreed_after_step(self):
     """True when every replica stops after this step; call it once per step."""
-    import torch_xla.core.xla_model as xm
-    if self.flags is None:  # Two device buffers: a step passes one, no transfer per step.
-      self.flags = (torch.zeros((), device=device), torch.ones((), device=device))
-    self.votes.append(xm.all_reduce(xm.REDUCE_SUM, self.flags[self.requested]))
+    self.votes.append(xm.all_reduce(xm.REDUCE_SUM, self.flags[stop_requested()]))
     return len(self.votes) > self.LAG and self.votes.popleft().item() > 0
 
   def agreed_at_epoch_end(self):
     """True when any replica asked to stop during the last steps or since."""
-    import torch_xla.core.xla_model as xm
     pending = any(vote.item() > 0 for vote in self.votes)
     self.votes.clear()
-    return xm.mesh_reduce('stop_request', pending or self.requested, any)
+    return xm.mesh_reduce('stop_request', pending or stop_requested(), any)
 
 
-def write_results(path, results):
-  """Writes results as JSON, atomically: a reader never sees half a file."""
-  if not path:
-    return
-  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  tmp = f'{path}.tmp{os.getpid()}'
-  with open(tmp, 'w') as f:
-    json.dump(results, f, indent=2)
-    f.write('\n')
-  os.replace(tmp, path)
+def ignore_sigterm(worker_id=None):
+  """DataLoader worker_init_fn: workers go on serving batches after a VM-wide SIGTERM, so
+  that the step in flight can finish and save."""
+  signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+def end_loader_workers():
+  """Kills this process's loader workers still alive: they ignore the SIGTERM that
+  multiprocessing's exit sends before waiting for them."""
+  for process in multiprocessing.active_children():
+    process.kill()
+    process.join()

@@ -18,6 +18,7 @@ import platform
 import sys
 import tempfile
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -81,11 +82,11 @@ def main(argv):
                                                   num_workers=workers, drop_last=True, **persistent)
       # One pass is the batches the shards hold, as one epoch of the training script.
       batches = count // FLAGS.batch_size
-      shards = train_wds_cifar.TrainShards(urls, 0, 1, FLAGS.batch_size, batches,
-                                           shuffle_buffer=count, seed=0, strict=True)
-      shard_loader = utils.CappedLoader(train_wds_cifar.CountedBatches(
-          torch.utils.data.DataLoader(shards, batch_size=None, num_workers=workers,
-                                      **persistent)), batches)
+      shards = train_wds_cifar.TrainShards(urls, 0, 1, batches, SimpleNamespace(
+          batch_size=FLAGS.batch_size, shuffle_buffer=count, seed=0, fail_on_bad_data=True,
+          num_workers=workers))
+      shard_loader = utils.EpochLoader(torch.utils.data.DataLoader(
+          shards, batch_size=None, num_workers=workers, **persistent), batches, order=shards)
       folder_rate = rate(folder_loader, passes)
       shard_rate = rate(shard_loader, passes)
       cores = max(1, workers)

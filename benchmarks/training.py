@@ -139,14 +139,14 @@ def checkpoint_costs(tmp):
   torch_xla.sync()
   xm.wait_device_ops()
   state = lambda: dict(model=model.state_dict(), optimizer=optimizer.state_dict(),  # noqa: E731
-                       lr_scheduler=None, epoch=1, step=1, global_step=1, rng=utils.rng_state(),
-                       flags={}, results={})
+                       lr_scheduler=None, epoch=1, step=1, global_step=1, flags={}, results={},
+                       rng=dict(torch=torch.get_rng_state(), xla=xm.get_rng_state()))
   start = time.perf_counter()
   path = utils.save_checkpoint(state(), str(tmp / 'ckpt'), keep=2, best=False)
   save = time.perf_counter() - start
   start = time.perf_counter()
   loaded = utils.load_checkpoint(path)
-  utils.restore(loaded, path, model, optimizer, None, {'model': 'resnet50'}, 1000)
+  utils.restore(loaded, path, model, optimizer, None)
   xm.wait_device_ops()
   load = time.perf_counter() - start
   return save, load, os.path.getsize(path) / 1e6

@@ -5,8 +5,10 @@ import os
 import pathlib
 import re
 import shlex
+import random
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -162,8 +164,16 @@ def kill_during_save(script, args, ckpt_dir, after_saves):
     if any('.pt.tmp' in name for name in os.listdir(ckpt_dir)):
       os.killpg(process.pid, 9)
       break
+    time.sleep(0.002)  # A 94 MB checkpoint takes 0.1 s or more to write.
   code, rest = finish(process)
   return code, ''.join(lines) + rest
+
+
+def seeded_random():
+  """A random.Random whose seed is printed (TEST_SEED=N reruns a failure the same way)."""
+  seed = int(os.environ.get('TEST_SEED', time.time_ns() % 10**6))
+  print(f'TEST_SEED={seed}')
+  return random.Random(seed)
 
 
 def training_losses(output):

@@ -6,7 +6,6 @@ weights bitwise equal to a run that was never interrupted.
 """
 
 import pickle
-import random
 import re
 import shutil
 import signal
@@ -15,7 +14,7 @@ import pytest
 import torch
 
 from conftest import (assert_same_training, kill_during_save, make_image_folder, read_json,
-                      run_and_signal, run_script, training_losses)
+                      run_and_signal, run_script, seeded_random, training_losses)
 
 SCRIPT = 'train_single_core.py'
 EPOCHS, STEPS = 2, 8  # 16 steps in all
@@ -53,7 +52,7 @@ def assert_same_losses(resumed_output, reference_output):
 
 def test_killed_stopped_and_killed_mid_save_run_ends_bitwise_equal(data, reference, tmp_path):
   ckpt_dir = tmp_path / 'ckpt'
-  kill_step = random.Random().randrange(1, 6)
+  kill_step = seeded_random().randrange(1, 6)
   code, out = run_and_signal(SCRIPT, flags(data, ckpt_dir), kill_step, signal.SIGKILL)
   assert code == -signal.SIGKILL, out
 
@@ -140,7 +139,22 @@ def test_checkpoint_of_another_model_is_one_clear_line(reference, data, tmp_path
   assert result.returncode == 2, result.stdout + result.stderr
   errors = [l for l in result.stderr.splitlines() if l.startswith('error: ')]
   assert len(errors) == 1 and re.search(
-      r'checkpoint \S+ckpt-00000016.pt was made for another model or number of classes than '
-      r'--model resnet34 with 4 classes \(\d+ of its weights are missing', errors[0]), errors
+      r'checkpoint \S+ckpt-00000016.pt was made for another model or number of classes \(\d+ of '
+      r"this model's weights are missing, e\.g\. \S+; it was saved with --model resnet18\)",
+      errors[0]), errors
   assert 'Traceback' not in result.stderr
   assert (ckpt_dir / 'ckpt-00000016.pt').read_bytes() == before
+
+
+def test_checkpoint_of_a_bigger_model_is_one_clear_line(reference, data, tmp_path):
+  ckpt_dir = tmp_path / 'ckpt'
+  ckpt_dir.mkdir()
+  state = torch.load(reference[0] / 'ckpt-00000016.pt', weights_only=True)
+  state['model']['layer5.0.conv1.weight'] = torch.zeros(1)  # As a deeper ResNet would have.
+  torch.save(state, ckpt_dir / 'ckpt-00000016.pt')
+  result = run_script(SCRIPT, *flags(data, ckpt_dir))
+  assert result.returncode == 2, result.stdout + result.stderr
+  assert 'Traceback' not in result.stderr
+  errors = [l for l in result.stderr.splitlines() if l.startswith('error: ')]
+  assert len(errors) == 1 and re.search(r'it has 1 weights this model lacks, e\.g\. '
+                                        r'layer5\.0\.conv1\.weight', errors[0]), errors

@@ -27,10 +27,10 @@ class Indexed(torch.utils.data.Dataset):
     return i
 
 
-def epoch_indices(n, world_size, seed, epoch):
+def epoch_indices(n, world_size, seed, epoch, batch_size=1):
   shares = []
   for rank in range(world_size):
-    sampler = utils.train_sampler(Indexed(n), rank, world_size, seed)
+    sampler = utils.EpochSampler(Indexed(n), rank, world_size, seed, batch_size)
     sampler.set_epoch(epoch)
     shares.append([index for _, index in sampler])
   return shares
@@ -39,41 +39,61 @@ def epoch_indices(n, world_size, seed, epoch):
 @pytest.mark.parametrize('n', SIZES)
 def test_training_samples_go_to_one_replica_and_steps_are_equal(n):
   for world_size, batch_size in itertools.product(WORLD_SIZES, [1, 3, 8]):
-    shares = epoch_indices(n, world_size, seed=0, epoch=1)
+    shares = epoch_indices(n, world_size, seed=0, epoch=1, batch_size=batch_size)
     seen = [i for share in shares for i in share]
     assert len(seen) == len(set(seen)), (world_size, 'a sample went to two replicas')
     assert set(seen) <= set(range(n))
     assert len(seen) == n - n % world_size  # Only the remainder below world_size is left out.
-    steps = {len(share) // batch_size for share in shares}  # DataLoader with drop_last=True
-    assert steps == {utils.train_steps_per_epoch(n, world_size, batch_size)}
+    # A DataLoader over each share gives every replica the same steps, whole or not.
+    assert len({len(share) // batch_size for share in shares}) == 1
+    assert len({-(-len(share) // batch_size) for share in shares}) == 1
 
 
-def test_training_order_changes_by_epoch_and_repeats_by_seed():
+def test_training_order_changes_by_epoch_and_by_seed():
   for world_size in [1, 2, 3, 8, 64]:
     first = epoch_indices(1000, world_size, seed=5, epoch=1)
-    assert epoch_indices(1000, world_size, seed=5, epoch=1) == first
     assert epoch_indices(1000, world_size, seed=5, epoch=2) != first
     assert epoch_indices(1000, world_size, seed=6, epoch=1) != first
 
 
-def test_resumed_epoch_skips_exactly_the_trained_samples_with_the_same_seeds():
-  for world_size, rank in [(1, 0), (8, 5), (64, 63)]:
-    sampler = utils.train_sampler(Indexed(5000), rank, world_size, seed=3)
+def test_resumed_epoch_skips_exactly_the_trained_batches_with_the_same_seeds():
+  for world_size, rank, batch_size in [(1, 0, 1), (8, 5, 4), (64, 63, 3)]:
+    sampler = utils.EpochSampler(Indexed(5000), rank, world_size, 3, batch_size)
     sampler.set_epoch(4)
     whole = list(sampler)
-    for skip in [0, 1, 8, len(whole) - 1, len(whole)]:
-      sampler.set_epoch(4, skip=skip)
-      assert len(sampler) == len(whole) - skip
-      assert list(sampler) == whole[skip:]
+    steps = len(whole) // batch_size
+    for first_step in [0, 1, 8, steps - 1, steps]:
+      sampler.set_epoch(4, first_step)
+      assert len(sampler) == len(whole) - first_step * batch_size
+      assert list(sampler) == whole[first_step * batch_size:]
   # Seeds differ by sample and by epoch: every crop is drawn anew.
-  seeds = {utils.sample_seed(3, epoch, i) for epoch in range(1, 4) for i in range(5000)}
+  seeds = set()
+  for epoch in range(1, 4):
+    sampler = utils.EpochSampler(Indexed(5000), 0, 1, 3, 1)
+    sampler.set_epoch(epoch)
+    seeds |= {seed for seed, _ in sampler}
   assert len(seeds) == 3 * 5000
+
+
+class Labelled(torch.utils.data.Dataset):
+  """Sample i is (i, label i): evaluation counts samples by their label, padding is -1."""
+
+  def __init__(self, n):
+    self.n = n
+
+  def __len__(self):
+    return self.n
+
+  def __getitem__(self, i):
+    return i, i
 
 
 @pytest.mark.parametrize('n', SIZES + [50000])
 def test_every_validation_image_is_evaluated_once_with_equal_steps(n):
   for world_size, batch_size in itertools.product(WORLD_SIZES, [1, 4, 64]):
-    shares = [utils.eval_indices(n, rank, world_size, batch_size) for rank in range(world_size)]
+    shares = [[label for _, label in utils.eval_share(Labelled(n), rank, world_size, batch_size,
+                                                      blank=-2)]
+              for rank in range(world_size)]
     real = [i for share in shares for i in share if i >= 0]
     assert sorted(real) == list(range(n))
     lengths = {len(share) for share in shares}
@@ -83,11 +103,11 @@ def test_every_validation_image_is_evaluated_once_with_equal_steps(n):
     assert len(shares[0]) < -(-n // world_size) + batch_size
 
 
-def test_padding_samples_have_label_minus_one():
+def test_padding_samples_are_blank_with_label_minus_one():
   images = [(torch.full((3, 2, 2), float(i)), i % 3) for i in range(5)]
-  padded = utils.PaddedSubset(images, utils.eval_indices(5, 1, 2, 4), blank=torch.zeros(3, 2, 2))
+  padded = utils.eval_share(images, 1, 2, 4, blank=torch.zeros(3, 2, 2))
   assert [label for _, label in padded] == [1, 0, -1, -1]
-  assert padded[2][0].shape == (3, 2, 2)
+  assert torch.equal(padded[2][0], torch.zeros(3, 2, 2))
 
 
 def test_warmup_then_step_decay():

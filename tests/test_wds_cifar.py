@@ -6,11 +6,11 @@ import http.server
 import io
 import itertools
 import pickle
-import random
 import re
 import signal
 import tarfile
 import threading
+from types import SimpleNamespace
 
 import fsspec
 import numpy as np
@@ -21,8 +21,8 @@ import make_cifar_shards
 import train_wds_cifar as wds_cifar
 import utils
 from conftest import (COLOURS, assert_same_training, finish, kill_during_save, make_cifar_python,
-                      make_image_folder, read_json, run_and_signal, run_script, start_script,
-                      training_losses)
+                      make_image_folder, read_json, run_and_signal, run_script, seeded_random,
+                      start_script, training_losses)
 
 
 @pytest.fixture(scope='module')
@@ -55,8 +55,7 @@ def test_writer_stores_every_image_and_label_exactly(shards):
   # Test shards keep the file's order; every image is byte-identical.
   images, labels = cifar_split(shards / 'cifar-10-batches-py', 'test_batch')
   read = list(wds_cifar.read_samples([str(p) for p in test], never))
-  assert len(read) == 200
-  assert all((a == b).all() and l == m for (a, l), b, m in zip(read, images, labels))
+  assert all((a == b).all() and l == m for (a, l), b, m in zip(read, images, labels, strict=True))
   # Training shards hold all 480 training samples once, shuffled across the 5 batches.
   parts = [cifar_split(shards / 'cifar-10-batches-py', f'data_batch_{i}') for i in range(1, 6)]
   expected = sorted((img.tobytes(), int(l)) for part in parts for img, l in zip(*part))
@@ -93,14 +92,24 @@ def test_writer_reads_an_image_folder(tmp_path):
   assert all(img[..., 0].mean() > 150 and img[..., 2].mean() < 100 for img in red)
 
 
-def test_checkpoint_to_a_url_loads_with_weights_only():
-  state = {'model': {'w': torch.arange(4.0)}, 'epoch': 3, 'accuracy': 91.5}
-  utils.save_to_url(state, 'memory://ckpt/run1/best.pt')
-  fs = fsspec.filesystem('memory')
-  assert fs.ls('/ckpt/run1', detail=False) == ['/ckpt/run1/best.pt']  # No temporary left.
-  with fsspec.open('memory://ckpt/run1/best.pt', 'rb') as f:
-    loaded = torch.load(f, weights_only=True)
-  assert loaded['epoch'] == 3 and torch.equal(loaded['model']['w'], torch.arange(4.0))
+def test_checkpoints_to_a_url_keep_the_newest_and_the_best():
+  # fsspec's memory file system stands for a bucket: the same calls as gs://.
+  ckpt_dir = 'memory://ckpt/run1'
+  for step in (2, 4, 6):
+    state = dict(model={'w': torch.full((4,), float(step))}, optimizer={}, lr_scheduler=None,
+                 epoch=1, step=step, global_step=step, rng={}, flags={}, results={})
+    utils.save_checkpoint(state, ckpt_dir, keep=2, best=step == 4)
+  names = sorted(fsspec.filesystem('memory').ls('/ckpt/run1', detail=False))
+  assert names == ['/ckpt/run1/best.pt', '/ckpt/run1/ckpt-00000004.pt', '/ckpt/run1/ckpt-00000006.pt']
+  path, state = utils.find_checkpoint(None, ckpt_dir)
+  assert path == 'memory://ckpt/run1/ckpt-00000006.pt'
+  assert torch.equal(state['model']['w'], torch.full((4,), 6.0))
+  assert torch.equal(utils.load_checkpoint(f'{ckpt_dir}/best.pt')['model']['w'], torch.full((4,), 4.0))
+
+
+def train_shards(urls, rank, world_size, batches, **flags):
+  cfg = dict(batch_size=16, shuffle_buffer=64, seed=5, fail_on_bad_data=True, num_workers=2)
+  return wds_cifar.TrainShards(urls, rank, world_size, batches, SimpleNamespace(**{**cfg, **flags}))
 
 
 @pytest.mark.parametrize('num_shards', [32, 33, 64, 100, 257])
@@ -111,33 +120,21 @@ def test_every_shard_goes_to_one_replica_and_worker_per_epoch(num_shards):
     if num_shards < world_size * feeders:
       continue  # Refused at start (tested below).
     for epoch in (1, 2):
-      got = [utils.shards_for(urls, r, world_size, w, feeders, seed=7, epoch=epoch)
+      got = [train_shards(urls, r, world_size, 1, seed=7).shards(epoch, w, feeders)
              for r in range(world_size) for w in range(feeders)]
       flat = [s for part in got for s in part]
       assert sorted(flat) == sorted(urls)
       assert min(map(len, got)) >= 1
-    one = utils.shards_for(urls, 0, world_size, 0, feeders, seed=7, epoch=1)
-    assert one == utils.shards_for(urls, 0, world_size, 0, feeders, seed=7, epoch=1)
-  orders = {tuple(utils.shards_for(urls, 0, 1, 0, 1, seed=7, epoch=e)) for e in range(1, 4)}
+  orders = {tuple(train_shards(urls, 0, 1, 1, seed=7).shards(e, 0, 1)) for e in range(1, 4)}
   assert len(orders) == 3  # A new order every epoch.
 
 
-def test_test_samples_are_split_once_across_replicas(shards):
-  test = [str(p) for p in sorted((shards / 'shards').glob('cifar-test-*.tar'))]
-  for world_size in [1, 2, 3, 4, 8, 32]:
-    parts = [wds_cifar.load_test_share(test, r, world_size, strict=True) for r in range(world_size)]
-    assert sum(len(labels) for _, labels in parts) == 200
-    keys = sorted(img.numpy().tobytes() for images, _ in parts for img in images)
-    assert len(set(keys)) == 200
-
-
 def take_batches(dataset, num_workers, steps):
-  loader = wds_cifar.CountedBatches(torch.utils.data.DataLoader(dataset, batch_size=None,
-                                                                num_workers=num_workers))
-  capped = utils.CappedLoader(loader, steps)
-  batches = list(capped)
-  capped.check()
-  return batches, loader
+  loader = utils.EpochLoader(torch.utils.data.DataLoader(dataset, batch_size=None,
+                                                         num_workers=num_workers), steps, dataset)
+  batches = list(loader)
+  loader.check()
+  return batches
 
 
 @pytest.mark.parametrize('world_size,num_workers', [(1, 0), (2, 2), (3, 1), (4, 2)])
@@ -147,17 +144,19 @@ def test_every_replica_runs_the_same_steps_and_refills_when_short(shards, world_
   steps = 480 // (batch_size * world_size)
   seen, repeated = [], 0
   for rank in range(world_size):
-    dataset = wds_cifar.TrainShards(train, rank, world_size, batch_size, steps, shuffle_buffer=100,
-                                    seed=3, strict=True)
+    dataset = train_shards(train, rank, world_size, steps, batch_size=batch_size,
+                           shuffle_buffer=100, seed=3, num_workers=num_workers)
     dataset.set_epoch(1)
-    batches, loader = take_batches(dataset, num_workers, steps)
+    batches = take_batches(dataset, num_workers, steps)
     assert len(batches) == steps
     assert all(images.shape == (batch_size, 3, 32, 32) and images.dtype == torch.uint8
                for images, _ in batches)
     seen += [img.numpy().tobytes() for images, _ in batches for img in images]
-    repeated += loader.repeated
+    bad, again = dataset.read_counts()
+    assert bad == 0
+    repeated += again
   # Shards of 50 do not split 480 samples evenly: short replicas read some samples twice
-  # (and say so) rather than run fewer steps; crops make repeated samples differ.
+  # (and say so) rather than run fewer steps.
   assert len(seen) == steps * batch_size * world_size
   if world_size == 1:
     assert repeated == 0  # One replica holds all 480 samples: 30 whole batches, no refill.
@@ -165,15 +164,16 @@ def test_every_replica_runs_the_same_steps_and_refills_when_short(shards, world_
     assert repeated > 0  # 10 shards for 3 replicas: 4, 3, 3 shards of 50 for 160 samples each.
 
 
-def test_same_seed_and_epoch_give_the_same_batches(shards):
+def test_same_seed_and_epoch_give_the_same_batches_with_workers(shards):
   train = [str(p) for p in sorted((shards / 'shards').glob('cifar-train-*.tar'))]
   def epoch_batches(epoch):
-    dataset = wds_cifar.TrainShards(train, 0, 2, 16, 10, shuffle_buffer=64, seed=5, strict=True)
+    dataset = train_shards(train, 0, 2, 10)
     dataset.set_epoch(epoch)
-    return [b for b, _ in take_batches(dataset, 2, 10)[0]]
+    return torch.stack([b for b, _ in take_batches(dataset, 2, 10)])
   first = epoch_batches(1)
-  assert all(torch.equal(a, b) for a, b in zip(first, epoch_batches(1)))
-  assert not all(torch.equal(a, b) for a, b in zip(first, epoch_batches(2)))
+  assert len(first) == 10
+  assert torch.equal(first, epoch_batches(1))  # Two loaders, each with two worker processes.
+  assert not torch.equal(first, epoch_batches(2))
 
 
 def test_workers_kept_through_the_run_make_each_epoch_as_new_ones_would(shards):
@@ -182,16 +182,16 @@ def test_workers_kept_through_the_run_make_each_epoch_as_new_ones_would(shards):
   train = [str(p) for p in sorted((shards / 'shards').glob('cifar-train-*.tar'))]
   def epoch_batches(loader):
     return [torch.cat([images.flatten(), labels]) for images, labels in loader]
-  def loader(dataset, **kept):
-    return wds_cifar.CountedBatches(torch.utils.data.DataLoader(dataset, batch_size=None,
-                                                                num_workers=2, **kept))
-  dataset = wds_cifar.TrainShards(train, 0, 1, 16, 6, shuffle_buffer=64, seed=5, strict=True)
-  kept = loader(dataset, persistent_workers=True, multiprocessing_context='spawn')
+  def loader(dataset, epoch, skip, **kept):
+    epoch_loader = utils.EpochLoader(torch.utils.data.DataLoader(
+        dataset, batch_size=None, num_workers=2, **kept), 6, order=dataset)
+    epoch_loader.set_epoch(epoch, skip)
+    return epoch_loader
+  kept = loader(train_shards(train, 0, 1, 6), 1, 0, persistent_workers=True,
+                multiprocessing_context='spawn')
   for epoch, skip in [(1, 0), (2, 3), (3, 0)]:
-    dataset.set_epoch(epoch, skip)
-    fresh = wds_cifar.TrainShards(train, 0, 1, 16, 6, shuffle_buffer=64, seed=5, strict=True)
-    fresh.set_epoch(epoch, skip)
-    expected = epoch_batches(loader(fresh))
+    kept.set_epoch(epoch, skip)
+    expected = epoch_batches(loader(train_shards(train, 0, 1, 6), epoch, skip))
     assert len(expected) == 6 - skip
     assert torch.equal(torch.stack(epoch_batches(kept)), torch.stack(expected)), epoch
 
@@ -201,13 +201,13 @@ def test_resumed_stream_gives_the_batches_after_the_skip_and_ends_with_the_epoch
                                                                                  num_workers):
   train = [str(p) for p in sorted((shards / 'shards').glob('cifar-train-*.tar'))]
   def batches(skip, steps):
-    dataset = wds_cifar.TrainShards(train, 1, 2, 8, steps, shuffle_buffer=40, seed=5, strict=True)
+    dataset = train_shards(train, 1, 2, steps, batch_size=8, shuffle_buffer=40,
+                           num_workers=num_workers)
     dataset.set_epoch(2, skip)
-    loader = wds_cifar.CountedBatches(torch.utils.data.DataLoader(
-        dataset, batch_size=None, num_workers=num_workers))
+    loader = torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=num_workers)
     # No cap: the workers stop when the epoch has its batches (islice: a bound, not a cap).
     return [torch.cat([images.flatten(), labels]) for images, labels in
-            itertools.islice(loader, steps + 10)]
+            itertools.islice((b for b in loader if b is not None), steps + 10)]
   whole = batches(0, 30)
   assert len(whole) == 30
   for skip in [1, 2, 3, 4, 5, 13, 29]:
@@ -223,18 +223,17 @@ def truncated_copy(src, dst):
 def test_truncated_shard_is_skipped_with_a_warning_or_fatal(shards, tmp_path, capsys):
   test = [str(p) for p in sorted((shards / 'shards').glob('cifar-test-*.tar'))]
   bad = truncated_copy(shards / 'shards' / 'cifar-test-000001.tar', tmp_path / 'bad.tar')
-  counter = [0]
+  counter = wds_cifar.BadData(strict=False)
   missing = str(tmp_path / 'missing.tar')
-  read = list(wds_cifar.read_samples([test[0], bad, missing, test[2]],
-                                     wds_cifar.bad_data_handler(False, counter)))
-  assert counter == [2]
+  read = list(wds_cifar.read_samples([test[0], bad, missing, test[2]], counter))
+  assert counter.count == 2
   assert 100 < len(read) < 150  # The good shards and the readable start of the bad one.
   err = capsys.readouterr().err
   assert re.search(r'^warning: shard \S*bad\.tar cannot be read to the end', err, re.M)
   assert re.search(r'^warning: shard \S*missing\.tar cannot be read .*FileNotFoundError', err,
                    re.M)
   with pytest.raises(utils.BadDataError, match=r'bad\.tar cannot be read.*--fail_on_bad_data'):
-    list(wds_cifar.read_samples([bad], wds_cifar.bad_data_handler(True, [0])))
+    list(wds_cifar.read_samples([bad], wds_cifar.BadData(strict=True)))
 
 
 def test_sample_without_label_is_skipped(tmp_path):
@@ -245,9 +244,9 @@ def test_sample_without_label_is_skipped(tmp_path):
       info = tarfile.TarInfo(name)
       info.size = len(data)
       tar.addfile(info, io.BytesIO(data))
-  counter = [0]
-  read = list(wds_cifar.read_samples([str(path)], wds_cifar.bad_data_handler(False, counter)))
-  assert [label for _, label in read] == [1] and counter == [2]
+  counter = wds_cifar.BadData(strict=False)
+  read = list(wds_cifar.read_samples([str(path)], counter))
+  assert [label for _, label in read] == [1] and counter.count == 2
 
 
 class QuietHandler(http.server.SimpleHTTPRequestHandler):
@@ -277,7 +276,7 @@ def test_reads_shards_from_a_pipe_command(shards):
   piped = list(wds_cifar.read_samples([f'pipe:cat {p}' for p in test], never))
   local = list(wds_cifar.read_samples([str(p) for p in test], never))
   assert len(piped) == 200
-  assert all((a == b).all() and l == m for (a, l), (b, m) in zip(local, piped))
+  assert all((a == b).all() and l == m for (a, l), (b, m) in zip(local, piped, strict=True))
 
 
 def test_reads_shards_over_http(http_shards, shards):
@@ -288,7 +287,7 @@ def test_reads_shards_over_http(http_shards, shards):
       [str(p) for p in sorted((shards / 'shards').glob('cifar-test-*.tar'))], never))
   remote = list(wds_cifar.read_samples(urls, never))
   assert len(remote) == 200
-  assert all((a == b).all() and l == m for (a, l), (b, m) in zip(local, remote))
+  assert all((a == b).all() and l == m for (a, l), (b, m) in zip(local, remote, strict=True))
 
 
 def test_trains_over_http_to_high_accuracy(http_shards, tmp_path):
@@ -300,8 +299,7 @@ def test_trains_over_http_to_high_accuracy(http_shards, tmp_path):
       '--ckpt_dir', tmp_path / 'ckpt', '--results_json', tmp_path / 'r.json')
   assert result.returncode == 0, result.stderr[-3000:]
   results = read_json(tmp_path / 'r.json')
-  print(result.stdout)
-  assert results['max_accuracy'] >= 90
+  assert results['max_accuracy'] >= 90, result.stdout
   assert results['eval_samples'] == 200  # 200 test samples in batches of 64: padded, counted once.
   assert results['train_steps'] == 3 * 30
   assert re.findall(r'Replica Train Samples=(\d+)', result.stdout) == ['480'] * 3
@@ -333,7 +331,7 @@ BAD_INPUTS = {
                                        r'10 training shards cannot feed 1 replicas x 16 loader '
                                        r'workers'),
     'not a resnet': (lambda s: ['--model', 'vgg11'], r'--model=vgg11.*not a torchvision ResNet'),
-    'missing trainsize': (lambda s: ['--trainsize', None], r'--trainsize must be given'),
+    'missing trainsize': (lambda s: ['--trainsize', None], r'--trainsize must have a value other than None'),
     'unwritable ckpt_dir': (lambda s: ['--ckpt_dir', s / 'shards' / 'cifar-test-000000.tar' / 'ckpt'],
                             r'cannot write checkpoints to --ckpt_dir \S+cifar-test-000000.tar/ckpt'),
 }
@@ -367,7 +365,7 @@ def test_killed_mid_save_and_stopped_run_ends_bitwise_equal(shards, tmp_path):
   # SIGKILL while the k-th checkpoint is written: the (k-1)-th must be intact.
   # The 2nd or the 3rd (the epoch end's); a later one would leave the stop below too few
   # steps before the end of the run.
-  saves = random.Random().randrange(1, 3)
+  saves = seeded_random().randrange(1, 3)
   code, out = kill_during_save('train_wds_cifar.py', run, ckpt_dir, after_saves=saves)
   assert code == -signal.SIGKILL, out
 
