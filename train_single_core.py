@@ -26,7 +26,6 @@ import torch_xla.core.xla_model as xm
 import torch_xla.debug.metrics as met
 import torch_xla.debug.profiler as xp
 import torch_xla.distributed.parallel_loader as pl
-import torch_xla.runtime as xr
 import torch_xla.test.test_utils as test_utils
 import torch_xla.utils.utils as xu
 import torchvision
@@ -85,8 +84,7 @@ RESTART_FLAGS = {'resume', 'ckpt_dir', 'ckpt_every_steps', 'keep_checkpoints', '
                  'profiler_port', 'target_accuracy', 'num_workers', 'persistent_workers',
                  'prefetch_factor', 'loader_prefetch_size', 'device_prefetch_size',
                  'host_to_device_transfer_threads'}
-FAKE_TRAIN_SAMPLES = 1_200_000  # About ImageNet's size, as upstream.
-FAKE_TEST_SAMPLES = 50_000
+FAKE_TRAIN_SAMPLES, FAKE_TEST_SAMPLES = 1_200_000, 50_000  # ImageNet's sizes, as upstream.
 FAKE_CLASSES = 1000
 
 
@@ -136,21 +134,16 @@ def start_run(cfg, num_classes, steps_per_epoch):
         step, steps_per_epoch, cfg.lr_warmup_epochs, cfg.lr_scheduler_divide_every_n_epochs,
         cfg.lr_scheduler_divisor))
   writer = SummaryWriter(cfg.logdir) if cfg.logdir else None
-  results = dict(model=cfg.model, world_size=xr.world_size(), epochs=0, train_steps=0,
-                 max_accuracy=0.0, final_accuracy=0.0, eval_correct=0, eval_samples=0,
-                 epoch_rates=[], epoch_device_busy=[], compilations_after_epoch=[],
-                 train_seconds=0.0, bf16=os.environ.get('XLA_USE_BF16') == '1')
   run = SimpleNamespace(cfg=cfg, model=model, optimizer=optimizer, scheduler=scheduler,
-                        log=utils.StepLog(device, writer), results=results, epoch=1, step=0)
-  path, state = utils.find_checkpoint(cfg.resume, cfg.ckpt_dir)
+                        log=utils.StepLog(device, writer), results=utils.new_results(cfg.model),
+                        epoch=1, step=0)
+  state = utils.resume(cfg.resume, cfg.ckpt_dir, (model, optimizer, scheduler), vars(cfg),
+                       RESTART_FLAGS)
   if state is not None:
-    utils.restore(state, path, model, optimizer, scheduler)
-    utils.warn_changed_flags(path, state['flags'], vars(cfg), RESTART_FLAGS)
-    run.results = dict(state['results'], train_steps=state['global_step'])
-    run.epoch, run.step = state['epoch'], state['step']
-    print(f'Run already finished: {path} is the end of epoch {run.epoch - 1} '
+    run.results, run.epoch, run.step = state['results'], state['epoch'], state['step']
+    print(f'Run already finished: {state["path"]} is the end of epoch {run.epoch - 1} '
           f'(--num_epochs {cfg.num_epochs})' if run.epoch > cfg.num_epochs else
-          f'Resumed from {path} at epoch {run.epoch} step {run.step}', flush=True)
+          f'Resumed from {state["path"]} at epoch {run.epoch} step {run.step}', flush=True)
   return run
 
 
@@ -274,9 +267,7 @@ def train(cfg):
     if end_epoch(run, epoch, accuracy, counts):
       return stop_run(run, epoch + 1, 0)
   del profiler
-  if run.log.writer is not None:
-    run.log.writer.close()
-  return utils.finish_results(results, cfg.batch_size * world_size)
+  return utils.finish_results(results, cfg.batch_size * world_size, run.log.writer)
 
 
 def main(argv):

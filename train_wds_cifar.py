@@ -40,6 +40,7 @@ import torchvision
 import webdataset as wds
 from absl import app, flags
 from torch.utils.tensorboard import SummaryWriter
+from torchvision.transforms import v2
 
 import utils
 
@@ -105,22 +106,20 @@ SIDE = 32  # CIFAR images are 32x32 RGB, stored as 3072 raw bytes (see make_cifa
 
 
 # ------------------------------------------------------------------------------ data
-
-
-def expand_urls(pattern):
-  return list(braceexpand.braceexpand(pattern))
-
-
-def missing_shards(urls):
-  """The URLs that do not exist (pipe: commands are not checked)."""
-  return [url for url in urls if not url.startswith('pipe:') and
-          not fsspec.core.url_to_fs(url)[0].exists(fsspec.core.url_to_fs(url)[1])]
-
-
-def open_shard(url):
-  if url.startswith('pipe:'):
-    return wds.gopen(url)  # e.g. 'pipe:gsutil cat gs://bucket/shard.tar'
-  return fsspec.open(url, 'rb').open()
+def check_shards(flag, pattern, strict):
+  """A UsageError if no shard of the pattern exists (pipe: commands are not checked), or if
+  some do not and strict; else a warning line naming those that will be skipped."""
+  urls = list(braceexpand.braceexpand(pattern))
+  missing = [url for url in urls if not url.startswith('pipe:') and
+             not fsspec.core.url_to_fs(url)[0].exists(fsspec.core.url_to_fs(url)[1])]
+  if len(missing) == len(urls):
+    raise utils.UsageError(f'--{flag}: no shard found at {pattern} (first: {urls[0]}); check the '
+                           'path or URL and the {first..last} range')
+  if missing:
+    message = f'--{flag}: {len(missing)} of {len(urls)} shards do not exist, e.g. {missing[0]}'
+    if strict:
+      raise utils.UsageError(f'{message}: fix the pattern, or drop --fail_on_bad_data to skip them')
+    print(f'warning: {message}; they will be skipped', file=sys.stderr, flush=True)
 
 
 def read_samples(urls, on_bad):
@@ -129,7 +128,8 @@ def read_samples(urls, on_bad):
   to on_bad(message), which raises or counts it, and reading goes on."""
   for url in urls:
     try:
-      stream = open_shard(url)
+      # A pipe: command (e.g. 'pipe:gsutil cat gs://bucket/shard.tar') or an fsspec URL.
+      stream = wds.gopen(url) if url.startswith('pipe:') else fsspec.open(url, 'rb').open()
       try:
         files = wds.tariterators.tar_file_expander([dict(url=url, stream=stream)])
         for sample in wds.tariterators.group_by_keys(files):
@@ -175,21 +175,17 @@ def augment(images, rng):
 
 
 def to_tensors(images, labels):
-  """uint8 NCHW images from an (N, H, W, C) array (a quarter of float32 on the
-  host-to-device link) and int64 labels."""
+  """uint8 NCHW images from an (N, H, W, C) array, and int64 labels."""
   return (torch.from_numpy(np.ascontiguousarray(images.transpose(0, 3, 1, 2))),
           torch.as_tensor(labels, dtype=torch.int64))
 
 
 class TrainShards(torch.utils.data.IterableDataset):
-  """This replica's shuffled, augmented batches of an epoch, `batches` of them, from cfg's
-  batch_size, shuffle_buffer, seed and fail_on_bad_data. A worker whose shards run out
-  reads them again until the epoch has its batches (every replica runs the same steps).
-
-  In shared memory, as the loader workers live through the run (started by spawn in a
-  replica, each costs seconds): the epoch and first step set_epoch gives, and per worker
-  the bad data skipped and the samples read a second time (`counts`, summed by read_counts).
-  """
+  """This replica's shuffled, augmented batches of an epoch, `batches` of them (cfg gives
+  batch_size, shuffle_buffer, seed, fail_on_bad_data). A worker whose shards run out reads
+  them again until the epoch has its batches: every replica runs the same steps. The loader
+  workers live through the run (spawned by a replica, each costs seconds), so the epoch and
+  first step, and each worker's counts of bad data and re-read samples, are in shared memory."""
 
   def __init__(self, urls, rank, world_size, batches, cfg):
     self.urls, self.rank, self.world_size, self.batches, self.cfg = urls, rank, world_size, batches, cfg
@@ -256,7 +252,8 @@ class TrainShards(torch.utils.data.IterableDataset):
 def load_data(cfg, rank, world_size):
   """This replica's train loader (counted, capped at the epoch's steps) and test loader.
   Every replica gets the same number of train and test batches."""
-  train_urls, test_urls = expand_urls(cfg.wds_traindir), expand_urls(cfg.wds_testdir)
+  train_urls = list(braceexpand.braceexpand(cfg.wds_traindir))
+  test_urls = list(braceexpand.braceexpand(cfg.wds_testdir))
   feeders = world_size * max(1, cfg.num_workers)
   if len(train_urls) < feeders:
     raise utils.UsageError(
@@ -289,20 +286,6 @@ def load_data(cfg, rank, world_size):
 
 
 # ----------------------------------------------------------------------------- model
-
-
-class Normalize(torch.nn.Module):
-  """uint8 images to normalised floats, on the device: the host sends a quarter of the bytes."""
-
-  def __init__(self, mean, std):
-    super().__init__()
-    self.register_buffer('mean', torch.tensor(mean).view(1, 3, 1, 1) * 255)
-    self.register_buffer('std', torch.tensor(std).view(1, 3, 1, 1) * 255)
-
-  def forward(self, images):
-    return (images.float() - self.mean) / self.std
-
-
 def cifar_resnet(name, num_classes):
   """A torchvision ResNet with the usual CIFAR stem: a 3x3 stride-1 first convolution and
   no max-pool. The ImageNet stem (7x7 stride 2, then a max-pool) would shrink 32x32
@@ -311,12 +294,13 @@ def cifar_resnet(name, num_classes):
   model.conv1 = torch.nn.Conv2d(3, model.conv1.out_channels, 3, 1, 1, bias=False)
   torch.nn.init.kaiming_normal_(model.conv1.weight, mode='fan_out', nonlinearity='relu')
   model.maxpool = torch.nn.Identity()
-  return torch.nn.Sequential(Normalize(CIFAR_MEAN, CIFAR_STD), model)
+  # The images come as uint8 and are normalised on the device: a quarter of float32's bytes
+  # cross from the host.
+  return torch.nn.Sequential(v2.ToDtype(torch.float32, scale=True),
+                             v2.Normalize(CIFAR_MEAN, CIFAR_STD), model)
 
 
 # ------------------------------------------------------------------------------ loop
-
-
 def start_run(cfg, steps_per_epoch):
   """Model, optimizer, LR schedule, log, stop vote and results of this replica, restored from
   the newest checkpoint if there is one; run.epoch and run.step are where training goes on."""
@@ -331,23 +315,17 @@ def start_run(cfg, steps_per_epoch):
         step, steps_per_epoch, cfg.lr_warmup_epochs, cfg.lr_scheduler_divide_every_n_epochs,
         cfg.lr_scheduler_divisor))
   writer = SummaryWriter(cfg.logdir) if cfg.logdir and xm.is_master_ordinal() else None
-  results = dict(model=cfg.model, world_size=xr.world_size(), epochs=0, train_steps=0,
-                 max_accuracy=0.0, final_accuracy=0.0, eval_correct=0, eval_samples=0,
-                 epoch_rates=[], epoch_device_busy=[], compilations_after_epoch=[],
-                 skipped_bad_data=0, repeated_samples=0, train_seconds=0.0,
-                 bf16=os.environ.get('XLA_USE_BF16') == '1')
   run = SimpleNamespace(cfg=cfg, model=model, optimizer=optimizer, scheduler=scheduler,
                         log=utils.StepLog(device, writer), stop=utils.StopVote(device),
-                        results=results, epoch=1, step=0)
-  path, state = utils.find_checkpoint(cfg.resume, cfg.ckpt_dir)
+                        results=utils.new_results(cfg.model, skipped_bad_data=0,
+                                                  repeated_samples=0), epoch=1, step=0)
+  state = utils.resume(cfg.resume, cfg.ckpt_dir, (model, optimizer, scheduler), vars(cfg),
+                       RESTART_FLAGS)
   if state is not None:
-    utils.restore(state, path, model, optimizer, scheduler)
-    utils.warn_changed_flags(path, state['flags'], vars(cfg), RESTART_FLAGS)
-    run.results = dict(state['results'], train_steps=state['global_step'])
-    run.epoch, run.step = state['epoch'], state['step']
-    xm.master_print(f'Run already finished: {path} is the end of epoch {run.epoch - 1} '
+    run.results, run.epoch, run.step = state['results'], state['epoch'], state['step']
+    xm.master_print(f'Run already finished: {state["path"]} is the end of epoch {run.epoch - 1} '
                     f'(--num_epochs {cfg.num_epochs})' if run.epoch > cfg.num_epochs else
-                    f'Resumed from {path} at epoch {run.epoch} step {run.step}')
+                    f'Resumed from {state["path"]} at epoch {run.epoch} step {run.step}')
   return run
 
 
@@ -476,9 +454,7 @@ def train(cfg):
     if end_epoch(run, epoch, accuracy, counts):
       return stop_run(run, epoch + 1, 0)
   del profiler
-  if run.log.writer is not None:
-    run.log.writer.close()
-  return utils.finish_results(results, cfg.batch_size * world_size)
+  return utils.finish_results(results, cfg.batch_size * world_size, run.log.writer)
 
 
 def count_data(results, counts, epoch, rank):
@@ -513,23 +489,14 @@ def main(argv):
   del argv
   if FLAGS.bf16:
     os.environ['XLA_USE_BF16'] = '1'  # Inherited by the spawned replicas.
-  # Check the shards here, once, before any replica starts: bad input is one line, not N.
-  for flag in ('wds_traindir', 'wds_testdir'):
-    urls = expand_urls(FLAGS[flag].value)
-    missing = missing_shards(urls)
-    if len(missing) == len(urls):
-      utils.die(f'--{flag}: no shard found at {FLAGS[flag].value} (first: {urls[0]}); check the '
-                'path or URL and the {first..last} range')
-    if missing:
-      message = f'--{flag}: {len(missing)} of {len(urls)} shards do not exist, e.g. {missing[0]}'
-      if FLAGS.fail_on_bad_data:
-        utils.die(f'{message}: fix the pattern, or drop --fail_on_bad_data to skip them')
-      print(f'warning: {message}; they will be skipped', file=sys.stderr, flush=True)
-  if FLAGS.ckpt_dir:
-    try:
+  # Check the inputs here, once, before any replica starts: bad input is one line, not N.
+  try:
+    check_shards('wds_traindir', FLAGS.wds_traindir, FLAGS.fail_on_bad_data)
+    check_shards('wds_testdir', FLAGS.wds_testdir, FLAGS.fail_on_bad_data)
+    if FLAGS.ckpt_dir:
       utils.check_checkpoint_dir(FLAGS.ckpt_dir)
-    except utils.UsageError as e:
-      utils.die(e)
+  except utils.UsageError as e:
+    utils.die(e)
   utils.stop_on_sigterm(forward_to_replicas=FLAGS.num_cores != 1)
   torch_xla.launch(_mp_fn, args=(FLAGS.flag_values_dict(),),
                    debug_single_process=FLAGS.num_cores == 1)

@@ -1,7 +1,7 @@
 """What the training scripts share: one-line errors, image folders, the split of work
-across replicas, the training log, checkpoints and the stop on SIGTERM. Nothing here
-reads FLAGS or holds a script's choices, so a script copied out with this file beside it
-still works."""
+across replicas, the training log and results, checkpoints and the stop on SIGTERM.
+Nothing here reads FLAGS or holds a script's choices: a script copied out with this file
+beside it still works."""
 
 import collections
 import concurrent.futures
@@ -121,10 +121,9 @@ def image_folder(root, img_dim, train):
 
 # ------------------------------------------------- splitting work across replicas
 class EpochSampler(torch.utils.data.DistributedSampler):
-  """This replica's share of an epoch in an order set by (seed, epoch), each index paired
-  with its augmentation's seed (for SeededSamples), from the step set_epoch gives on.
-  drop_last=True drops the remainder (under world_size samples) where the default would
-  repeat samples: no sample goes to two replicas."""
+  """This replica's share of an epoch, ordered by (seed, epoch), from set_epoch's first step
+  on; each index comes with its augmentation's seed (for SeededSamples). drop_last=True:
+  the remainder (under world_size samples) is left out, not repeated on another replica."""
 
   def __init__(self, dataset, rank, world_size, seed, batch_size):
     super().__init__(dataset, world_size, rank, shuffle=True, seed=seed, drop_last=True)
@@ -144,8 +143,8 @@ class EpochSampler(torch.utils.data.DistributedSampler):
 
 class SeededSamples(torch.utils.data.Dataset):
   """dataset[index] with torch's RNG (torchvision's random transforms draw from it) seeded
-  by the key's seed: a crop does not depend on which loader worker makes it, so a resumed
-  run sees the very images an uninterrupted run would."""
+  by the key's seed: a crop does not depend on the loader worker, so a resumed run sees the
+  very images an uninterrupted one would."""
 
   def __init__(self, dataset):
     self.dataset = dataset
@@ -160,20 +159,19 @@ class SeededSamples(torch.utils.data.Dataset):
 
 
 def eval_share(dataset, rank, world_size, batch_size, blank):
-  """Samples rank, rank + world_size, ... of dataset, padded with (blank, -1), which is not
-  counted, to the same whole number of batches on every replica: every sample counts
-  once, every replica runs the same steps (one that stopped early would leave the others
-  waiting in a collective, pytorch/xla#2749), every batch has one shape (one graph)."""
+  """Samples rank, rank + world_size, ... padded with (blank, -1), not counted, to the same
+  whole number of batches on every replica: every sample counts once, no replica waits in
+  a collective for one that stopped (pytorch/xla#2749), and every batch has one shape."""
   steps = -(-len(dataset) // world_size // batch_size)
   share = torch.utils.data.Subset(dataset, range(rank, len(dataset), world_size))
   return torch.utils.data.ConcatDataset([share, [(blank, -1)] * (steps * batch_size - len(share))])
 
 
 class EpochLoader:
-  """At most num_batches batches of loader an epoch, from set_epoch's first_step on (the
-  `order`, a sampler or dataset, skips the trained batches; a None it sends is dropped).
-  Capping here, not by breaking out of MpDeviceLoader's loop, leaves no thread behind. An
-  error in the loader would end the device loader's epoch silently: check() raises it."""
+  """At most num_batches batches of loader an epoch, from set_epoch's first_step on (`order`,
+  a sampler or dataset, skips the trained ones; a None it sends is dropped). Capping here,
+  not by leaving MpDeviceLoader's loop, leaves no thread behind. MpDeviceLoader ends the
+  epoch silently on a loader error: check() raises it."""
 
   def __init__(self, loader, num_batches, order=None):
     self.loader, self.order, self.first_step, self.error = loader, order, 0, None
@@ -203,9 +201,8 @@ class EpochLoader:
 
 
 def warmup_step_decay(step, steps_per_epoch, warmup_epochs, divide_every_n_epochs, divisor):
-  """LR factor at a global step: linear warm-up from 0, then a division by divisor every
-  divide_every_n_epochs (upstream's WarmupAndExponentialDecayScheduler). A function of the
-  step alone, so a resumed run picks up the exact value."""
+  """LR factor at a global step (upstream's WarmupAndExponentialDecayScheduler): linear
+  warm-up from 0, then a division every n epochs; a resumed run gets the exact value."""
   warmup_steps = warmup_epochs * steps_per_epoch
   if step < warmup_steps:
     return (step + 1) / warmup_steps
@@ -214,10 +211,10 @@ def warmup_step_decay(step, steps_per_epoch, warmup_epochs, divide_every_n_epoch
 
 # ---------------------------------------------------------------- logging and results
 class StepLog:
-  """Training lines (pytorch/xla's, which TPU users grep for) and TensorBoard scalars, in
-  order, from a thread of their own. add() is a step closure: reading the loss waits for
-  the step's graph, and in the training thread the device would wait for the next step's
-  tracing. (run_async closures cannot be waited for: their lines could trail the epoch.)"""
+  """Training lines (pytorch/xla's, which TPU users grep for) and TensorBoard scalars from a
+  thread of their own, in order. add() is a step closure: reading the loss waits for the
+  step, and in the training thread that would hold up the next step's tracing. (run_async
+  closures cannot be waited for: their lines could trail the epoch's.)"""
 
   def __init__(self, device, writer):
     self.device, self.writer, self.pending = device, writer, collections.deque()
@@ -249,8 +246,19 @@ def compile_count():
   return (met.metric_data('CompileTime') or (0,))[0]
 
 
-def finish_results(results, samples_per_step):
-  """Adds the run's totals to its results; the master prints the last two lines."""
+def new_results(model, **extra):
+  """The numbers a run adds up as it goes, which --results_json writes (see the README)."""
+  return dict(model=model, world_size=xr.world_size(), epochs=0, train_steps=0,
+              max_accuracy=0.0, final_accuracy=0.0, eval_correct=0, eval_samples=0,
+              epoch_rates=[], epoch_device_busy=[], compilations_after_epoch=[],
+              train_seconds=0.0, bf16=os.environ.get('XLA_USE_BF16') == '1', **extra)
+
+
+def finish_results(results, samples_per_step, writer):
+  """Adds the run's totals to its results and closes the TensorBoard writer (if any); the
+  master prints the last two lines."""
+  if writer is not None:
+    writer.close()
   results['train_samples'] = results['train_steps'] * samples_per_step
   results['global_rate'] = results['train_samples'] / max(results['train_seconds'], 1e-9)
   results['compilations'] = compile_count()
@@ -272,7 +280,7 @@ def exit_code(results, target_accuracy):
 
 
 def write_results(path, results):
-  """Writes results as JSON (a local path or URL), atomically: nobody reads half a file."""
+  """Writes results as JSON to a local path or URL, atomically."""
   if path:
     fs, local = fsspec.core.url_to_fs(path)
     fs.makedirs(os.path.dirname(local) or '.', exist_ok=True)
@@ -318,8 +326,8 @@ def list_checkpoints(ckpt_dir):
 
 
 def save_checkpoint(state, ckpt_dir, keep, best):
-  """Saves ckpt_dir/ckpt-GLOBALSTEP.pt (and best.pt); returns its path. Every replica calls
-  it at the same step; the master writes, and none goes on before the file is complete.
+  """Saves ckpt_dir/ckpt-GLOBALSTEP.pt (and best.pt) and returns its path. Every replica
+  calls it at the same step; the master writes, and none goes on before the file is whole.
   Keeps the newest `keep` up to this one (newer ones are from a rolled-back run)."""
   torch_xla.sync()  # Runs the step still being traced, so that saving only copies data.
   master = xm.is_master_ordinal(local=False)
@@ -382,37 +390,42 @@ def find_checkpoint(resume, ckpt_dir):
   return path, state
 
 
-def restore(state, path, model, optimizer, scheduler):
-  """Loads a checkpoint's weights, optimizer, schedule and RNG states into this run; one of
-  another model or class count is a UsageError naming what differs."""
-  ours = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-  theirs = {k: tuple(v.shape) for k, v in state['model'].items()}
-  if ours != theirs:
-    missing, extra = sorted(set(ours) - set(theirs)), sorted(set(theirs) - set(ours))
-    reshaped = [k for k in ours if k in theirs and ours[k] != theirs[k]]
-    detail = (f'{len(missing)} of this model\'s weights are missing, e.g. {missing[0]}' if missing
-              else f'it has {len(extra)} weights this model lacks, e.g. {extra[0]}' if extra
-              else f'{reshaped[0]} is {list(theirs[reshaped[0]])} there, '
-              f'{list(ours[reshaped[0]])} here')
+def check_same_model(model, state, path):
+  """A UsageError naming a weight that differs if the checkpoint is of another model."""
+  ours = {k: list(v.shape) for k, v in model.state_dict().items()}
+  theirs = {k: list(v.shape) for k, v in state['model'].items()}
+  differ = sorted(k for k in ours.keys() | theirs.keys() if ours.get(k) != theirs.get(k))
+  if differ:
     raise UsageError(f'checkpoint {path} was made for another model or number of classes '
-                     f'({detail}; it was saved with --model {state["flags"].get("model")}): '
-                     'use the flags of that run, or another --ckpt_dir')
+                     f'({len(differ)} weight(s) differ, e.g. {differ[0]}: '
+                     f'{theirs.get(differ[0], "absent")} there, {ours.get(differ[0], "absent")} '
+                     f'here; it was saved with --model {state["flags"].get("model")}): use the '
+                     'flags of that run, or another --ckpt_dir')
+
+
+def resume(resume_path, ckpt_dir, training, flag_values, restart_flags):
+  """Restores training = (model, optimizer, scheduler or None) and the RNGs from resume_path,
+  else from the newest readable checkpoint in ckpt_dir; returns that checkpoint (with its
+  'path'), or None. Flags that differ from the checkpoint's, but for restart_flags (which
+  do not change what is computed), are named in a warning line."""
+  path, state = find_checkpoint(resume_path, ckpt_dir)
+  if state is None:
+    return None
+  model, optimizer, scheduler = training
+  check_same_model(model, state, path)
   model.load_state_dict(state['model'])
   optimizer.load_state_dict(state['optimizer'])
   if scheduler is not None and state['lr_scheduler'] is not None:
     scheduler.load_state_dict(state['lr_scheduler'])
   torch.set_rng_state(state['rng']['torch'])
   xm.set_rng_state(state['rng']['xla'])
-
-
-def warn_changed_flags(path, saved, current, unchanged_results):
-  """A warning line naming the flags that differ from the checkpoint's, but for those in
-  unchanged_results (they do not change what is computed)."""
-  changed = [f'--{name} {saved[name]!r} -> {current[name]!r}' for name in sorted(current)
-             if name in saved and name not in unchanged_results and saved[name] != current[name]]
+  saved = state['flags']
+  changed = [f'--{name} {saved[name]!r} -> {value!r}' for name, value in sorted(flag_values.items())
+             if name in saved and name not in restart_flags and saved[name] != value]
   if changed:
     xm.master_print(f'warning: resuming {path} with other flags ({"; ".join(changed)}): the '
                     'run will differ from one never interrupted', fd=sys.stderr, flush=True)
+  return dict(state, path=path)
 
 
 # -------------------------------------------------------------------------- stopping

@@ -145,66 +145,68 @@ def checkpoint_costs(tmp):
   path = utils.save_checkpoint(state(), str(tmp / 'ckpt'), keep=2, best=False)
   save = time.perf_counter() - start
   start = time.perf_counter()
-  loaded = utils.load_checkpoint(path)
-  utils.restore(loaded, path, model, optimizer, None)
+  utils.resume(path, None, (model, optimizer, None), {}, set())
   xm.wait_device_ops()
   load = time.perf_counter() - start
   return save, load, os.path.getsize(path) / 1e6
 
 
-def main(argv):
-  del argv
-  quick = FLAGS.quick
+def measure(tmp, quick):
+  """(rows of the training table, first-step seconds of each script, resumed first-step
+  seconds and where it resumed, checkpoint costs, eager rate)."""
   epochs, steps = (2, 3) if quick else (3, 40)
   model, img_dim, batch = FLAGS.bench_model, FLAGS.bench_img_dim, FLAGS.bench_batch_size
   common = ['--model', model, '--img_dim', img_dim, '--batch_size', batch, '--test_set_batch_size',
             batch, '--num_epochs', epochs, '--log_steps', 10]
-  rows = []
+  # Sizes that divide neither batch: a partial training batch is dropped, a partial
+  # evaluation batch padded; neither may compile a graph after epoch 1.
+  folder = image_folder(tmp / 'folder', train=(steps + 1) * batch + 5, val=2 * batch + 3)
+  train_pattern, test_pattern = cifar_shards(tmp / 'shards', train=(steps + 1) * batch,
+                                             test=2 * batch + 3)
+  wds_args = ['--wds_traindir', train_pattern, '--trainsize', (steps + 1) * batch,
+              '--wds_testdir', test_pattern, '--testsize', 2 * batch + 3, '--num_steps', steps,
+              '--num_workers', 2, '--batch_size', batch, '--test_set_batch_size', batch,
+              '--num_epochs', epochs, '--log_steps', 10, '--ckpt_dir', tmp / 'ckpt']
+  runs = [
+      ('train_single_core.py', 'fake', ['--fake_data', '--num_steps', steps, *common]),
+      ('train_resnet_mp.py', 'fake', ['--fake_data', '--num_steps', steps, *common]),
+      ('train_single_core.py', 'image folder', ['--datadir', folder, '--num_workers', 2, *common]),
+      ('train_resnet_mp.py', 'image folder', ['--datadir', folder, '--num_workers', 2, *common]),
+      # Checkpoints too (every epoch end and at step steps - 1), for the resume below.
+      ('train_wds_cifar.py', 'shards, CIFAR stem', [*wds_args, '--ckpt_every_steps', steps - 1]),
+  ]
+  if quick:  # The folder runs take the same path as the fake ones.
+    runs = [r for r in runs if r[1] != 'image folder']
+  rows, first_step = [], {}
+  for script, data, args in runs:
+    results, first_step[script] = run(script, *args)
+    compiled = results['compilations_after_epoch']
+    # Steady state: the epochs after the first (which compiles), averaged.
+    rate, busy = (np.mean(results[k][1:]) for k in ('epoch_rates', 'epoch_device_busy'))
+    rows.append((script, data, rate, 1 - busy, results['compilations'], compiled[-1] - compiled[0]))
+  # A resumed shard stream reads the samples of the batches it skips, the costliest skip:
+  # resume from the mid-epoch checkpoint of the last epoch (the last run's).
+  os.remove(tmp / 'ckpt' / f'ckpt-{epochs * steps:08d}.pt')
+  resumed, out = first_step_seconds('train_wds_cifar.py', [*wds_args, '--log_steps', 1])
+  resumed_at = re.search(r'Resumed from \S+ at epoch (\d+) step (\d+)', out)
+  where = f'epoch {resumed_at.group(1)} step {resumed_at.group(2)}' if resumed_at else '?'
+  with contextlib.redirect_stdout(io.StringIO()):  # Its 'Saved checkpoint' line.
+    costs = checkpoint_costs(tmp)
+  # After the XLA runtime is up: autograd sizes its device queues at the first backward.
+  eager = eager_rate(model, img_dim, batch, 3 if quick else 20)
+  return rows, first_step, (resumed, where), costs, eager
+
+
+def main(argv):
+  del argv
   with tempfile.TemporaryDirectory() as tmp:
-    tmp = pathlib.Path(tmp)
-    # Sizes that divide neither batch: a partial training batch is dropped, a partial
-    # evaluation batch padded; neither may compile a graph after epoch 1.
-    folder = image_folder(tmp / 'folder', train=(steps + 1) * batch + 5, val=2 * batch + 3)
-    train_pattern, test_pattern = cifar_shards(tmp / 'shards', train=(steps + 1) * batch,
-                                               test=2 * batch + 3)
-    wds_args = ['--wds_traindir', train_pattern, '--trainsize', (steps + 1) * batch,
-                '--wds_testdir', test_pattern, '--testsize', 2 * batch + 3, '--num_steps', steps,
-                '--num_workers', 2, '--batch_size', batch, '--test_set_batch_size', batch,
-                '--num_epochs', epochs, '--log_steps', 10, '--ckpt_dir', tmp / 'ckpt']
-    runs = [
-        ('train_single_core.py', 'fake', ['--fake_data', '--num_steps', steps, *common]),
-        ('train_resnet_mp.py', 'fake', ['--fake_data', '--num_steps', steps, *common]),
-        ('train_single_core.py', 'image folder', ['--datadir', folder, '--num_workers', 2,
-                                                  *common]),
-        ('train_resnet_mp.py', 'image folder', ['--datadir', folder, '--num_workers', 2,
-                                                *common]),
-        # Checkpoints too (every epoch end and at step steps - 1), for the resume below.
-        ('train_wds_cifar.py', 'shards, CIFAR stem', [*wds_args, '--ckpt_every_steps', steps - 1]),
-    ]
-    if quick:  # The folder runs take the same path as the fake ones.
-      runs = [r for r in runs if r[1] != 'image folder']
-    first_step = {}
-    for script, data, args in runs:
-      results, first_step[script] = run(script, *args)
-      compiled = results['compilations_after_epoch']
-      # Steady state: the epochs after the first (which compiles), averaged.
-      rate, busy = (np.mean(results[k][1:]) for k in ('epoch_rates', 'epoch_device_busy'))
-      rows.append((script, data, rate, 1 - busy, results['compilations'], compiled[-1] - compiled[0]))
-
-    # A resumed shard stream reads the samples of the batches it skips, the costliest
-    # skip: resume from the mid-epoch checkpoint of the last epoch (the last run's).
-    os.remove(tmp / 'ckpt' / f'ckpt-{epochs * steps:08d}.pt')
-    resumed, out = first_step_seconds('train_wds_cifar.py', [*wds_args, '--log_steps', 1])
-    resumed_at = re.search(r'Resumed from \S+ at epoch (\d+) step (\d+)', out)
-    with contextlib.redirect_stdout(io.StringIO()):  # Its 'Saved checkpoint' line.
-      save, load, size = checkpoint_costs(tmp)
-    # After the XLA runtime is up: autograd sizes its device queues at the first backward.
-    eager = eager_rate(model, img_dim, batch, 3 if quick else 20)
-
+    rows, first_step, (resumed, where), (save, load, size), eager = measure(
+        pathlib.Path(tmp), FLAGS.quick)
+  epochs, steps = (2, 3) if FLAGS.quick else (3, 40)
   print(f'Training on XLA:CPU, {platform.processor() or platform.machine()}, '
-        f'{os.cpu_count()} cores; {model} at {img_dim} px, batch {batch}, {epochs} epochs of '
-        f'{steps} steps, a line logged every 10; rate and overhead: mean of the epochs after '
-        'the first')
+        f'{os.cpu_count()} cores; {FLAGS.bench_model} at {FLAGS.bench_img_dim} px, batch '
+        f'{FLAGS.bench_batch_size}, {epochs} epochs of {steps} steps, a line logged every 10; '
+        'rate and overhead: mean of the epochs after the first')
   print()
   print('| script | data | samples/s | host overhead | graphs compiled | compiled after epoch 1 |')
   print('| --- | --- | --- | --- | --- | --- |')
@@ -217,16 +219,14 @@ def main(argv):
   print(f'| resnet50 + momentum, size | {size:,.0f} MB |')
   print(f'| save (device to host, serialise, write, rename) | {save:.2f} s |')
   print(f'| load (read, check, copy to the device) | {load:.2f} s |')
-  where = f'epoch {resumed_at.group(1)} step {resumed_at.group(2)}' if resumed_at else '?'
   print(f'| train_wds_cifar.py, fresh run: start to first step | {first_step["train_wds_cifar.py"]:.1f} s |')
   print(f'| train_wds_cifar.py, resumed at {where}: start to first new step | {resumed:.1f} s |')
-
   print()
   # The input pipeline has its own script (it imports train_wds_cifar, whose flags would
   # clash with these).
   pipeline = subprocess.run([sys.executable, str(REPO / 'benchmarks' / 'input_pipeline.py'),
-                             *(['--quick'] if quick else [])], cwd=REPO, capture_output=True,
-                            text=True)
+                             *(['--quick'] if FLAGS.quick else [])], cwd=REPO,
+                            capture_output=True, text=True)
   print(pipeline.stdout.strip() if pipeline.returncode == 0 else
         f'input_pipeline.py failed:\n{pipeline.stderr[-3000:]}')
 
