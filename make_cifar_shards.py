@@ -53,14 +53,25 @@ def read_cifar_python(folder):
     except Exception as e:
       raise utils.UsageError(f'cannot read {path} ({e}): download the python release again')
 
-  def images_labels(batch):
-    # Rows are 3072 bytes: the red plane, then green, then blue (channel-first).
-    images = np.asarray(batch[b'data'], np.uint8).reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1)
-    return np.ascontiguousarray(images), np.asarray(batch[b'labels'], np.int64)
+  def images_labels(name):
+    batch = unpickle(name)
+    try:  # Rows are 3072 bytes: the red plane, then green, then blue (channel-first).
+      images = np.asarray(batch[b'data'], np.uint8).reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1)
+      labels = np.asarray(batch[b'labels'], np.int64)
+      if len(images) != len(labels) or np.asarray(batch[b'data']).shape[1:] != (3072,):
+        raise ValueError(f'{len(labels)} labels for data of shape {np.shape(batch[b"data"])}')
+    except (TypeError, KeyError, IndexError, ValueError) as e:
+      raise utils.UsageError(f'{os.path.join(folder, name)} is not a CIFAR-10 batch (a dict of '
+                             f'b"data", N rows of 3072 bytes, and b"labels"): {e!r}') from None
+    return np.ascontiguousarray(images), labels
 
-  train = [images_labels(unpickle(name)) for name in TRAIN_BATCHES]
-  test_images, test_labels = images_labels(unpickle('test_batch'))
-  names = [n.decode() for n in unpickle('batches.meta')[b'label_names']]
+  train = [images_labels(name) for name in TRAIN_BATCHES]
+  test_images, test_labels = images_labels('test_batch')
+  try:
+    names = [n.decode() for n in unpickle('batches.meta')[b'label_names']]
+  except (TypeError, KeyError, AttributeError) as e:
+    raise utils.UsageError(f'{os.path.join(folder, "batches.meta")} holds no b"label_names" '
+                           f'({e!r}): download the python release again') from None
   return (np.concatenate([t[0] for t in train]), np.concatenate([t[1] for t in train]),
           test_images, test_labels, names)
 
@@ -119,8 +130,9 @@ def main(argv):
   del argv
   if (FLAGS.cifar_dir is None) == (FLAGS.image_folder is None):
     utils.die('give one of --cifar_dir and --image_folder')
-  if not FLAGS.output:
-    utils.die('give --output PREFIX (a local path or URL such as gs://bucket/cifar10/cifar)')
+  if not FLAGS.output or FLAGS.output.endswith('/'):
+    utils.die(f'give --output PREFIX, a path or URL the shard names start with, such as '
+              f'{FLAGS.output or ""}cifar (not a folder): PREFIX-train-000000.tar, ...')
   try:
     if FLAGS.cifar_dir:
       train_images, train_labels, test_images, test_labels, classes = read_cifar_python(
@@ -138,12 +150,16 @@ def main(argv):
     indices = list(range(len(train_labels)))
     rng.shuffle(indices)
     order += indices
-  fs, path = fsspec.core.url_to_fs(FLAGS.output)
-  fs.makedirs(os.path.dirname(path) or '.', exist_ok=True)
-  train = write_shards(train_images, train_labels, order, FLAGS.output + '-train-%06d.tar',
-                       FLAGS.samples_per_shard)
-  test = write_shards(test_images, test_labels, range(len(test_labels)),
-                      FLAGS.output + '-test-%06d.tar', FLAGS.samples_per_shard)
+  try:
+    fs, path = fsspec.core.url_to_fs(FLAGS.output)
+    fs.makedirs(os.path.dirname(path) or '.', exist_ok=True)
+    train = write_shards(train_images, train_labels, order, FLAGS.output + '-train-%06d.tar',
+                         FLAGS.samples_per_shard)
+    test = write_shards(test_images, test_labels, range(len(test_labels)),
+                        FLAGS.output + '-test-%06d.tar', FLAGS.samples_per_shard)
+  except OSError as e:  # No permission, a full disk, a file where a folder should be, ...
+    utils.die(f'cannot write shards to --output {FLAGS.output} ({type(e).__name__}: {e}): give '
+              'a place this job can write')
   print(f'Classes: {" ".join(classes)}')
   print(f'Wrote {len(order)} training samples in {len(train)} shards and {len(test_labels)} test '
         f'samples in {len(test)} shards. Train with:')

@@ -11,8 +11,9 @@ test_train_mp_imagenet.py.
       --batch_size 16 --num_epochs 2 --num_steps 40 --log_steps 10
 
 With --ckpt_dir the run saves its whole state and, started again with the same command,
-goes on from the newest checkpoint exactly where it stopped. On SIGTERM every replica
-finishes the same step, the master saves, and the command exits with code 75.
+goes on from the newest checkpoint exactly where it stopped. On SIGTERM (or Ctrl-C)
+every replica finishes the same step, the master saves, and the command exits with code
+75 (130). A replica that fails ends the whole command with its exit code.
 """
 
 import os
@@ -113,7 +114,7 @@ def load_data(cfg, rank, world_size):
   # The order is a function of (seed, epoch) and each image is cropped by its own seed, so a
   # resumed run sees the very batches an uninterrupted one would.
   sampler = utils.EpochSampler(train_set, rank, world_size, cfg.seed, cfg.batch_size)
-  workers = dict(num_workers=cfg.num_workers, worker_init_fn=utils.ignore_sigterm)
+  workers = dict(num_workers=cfg.num_workers, worker_init_fn=utils.ignore_stop_signals)
   if cfg.num_workers:  # torch 2.9 raises on these without workers.
     workers.update(persistent_workers=cfg.persistent_workers, prefetch_factor=cfg.prefetch_factor)
   # Every replica's share has the same length, so every replica has the same batches.
@@ -215,12 +216,12 @@ def save_checkpoint(run, epoch, step, best=False):
 
 
 def stop_run(run, epoch, step):
-  """The end of a run stopped by SIGTERM at a step boundary: saves, says so."""
+  """The end of a run stopped by SIGTERM or Ctrl-C at a step boundary: saves, says so."""
   saved = save_checkpoint(run, epoch, step) if run.cfg.ckpt_dir else None
-  xm.master_print(f'Stopped by SIGTERM at epoch {epoch} step {step}: ' +
+  name, code = utils.record_stop(run.results)
+  xm.master_print(f'Stopped by {name} at epoch {epoch} step {step}: ' +
                   (f'saved {saved}; run the same command to resume' if saved else
-                   'nothing saved (no --ckpt_dir)') + f' (exit code {utils.EXIT_PREEMPTED})')
-  run.results['preempted'] = True
+                   'nothing saved (no --ckpt_dir)') + f' (exit code {code})')
   return run.results
 
 
@@ -289,12 +290,12 @@ def _mp_fn(index, flag_values):
   cfg = SimpleNamespace(**flag_values)
   try:
     results = train(cfg)
-  except (utils.UsageError, utils.BadDataError) as e:
-    utils.die(e)
+    if xm.is_master_ordinal():
+      utils.write_results(cfg.results_json, results)
+  except Exception as e:  # Ends this replica at once: the launcher then ends the others.
+    utils.replica_failed(e)
   finally:
     utils.end_loader_workers()
-  if xm.is_master_ordinal():
-    utils.write_results(cfg.results_json, results)
   sys.exit(utils.exit_code(results, cfg.target_accuracy))
 
 
@@ -313,12 +314,13 @@ def main(argv):
                              'or --fake_data')
     if not FLAGS.fake_data:
       utils.check_image_folders(FLAGS.datadir, ('train', 'val'))
-    if FLAGS.ckpt_dir:
-      utils.check_checkpoint_dir(FLAGS.ckpt_dir)
+    utils.check_outputs(FLAGS.ckpt_dir, FLAGS.logdir, FLAGS.results_json)
   except utils.UsageError as e:
     utils.die(e)
-  utils.stop_on_sigterm(forward_to_replicas=FLAGS.num_cores != 1)
-  torch_xla.launch(_mp_fn, args=(flag_values,), debug_single_process=FLAGS.num_cores == 1)
+  # SIGTERM and Ctrl-C stop every replica after a step; one replica that fails (or a second
+  # Ctrl-C) ends them all at once: see run_watched.
+  with utils.run_watched(launcher=FLAGS.num_cores != 1):
+    torch_xla.launch(_mp_fn, args=(flag_values,), debug_single_process=FLAGS.num_cores == 1)
 
 
 if __name__ == '__main__':
@@ -326,4 +328,4 @@ if __name__ == '__main__':
 elif __name__ == '__mp_main__':
   # A replica process of torch_xla.launch imports this file in its main thread, the only
   # one that may catch a signal; train() runs in another thread.
-  utils.stop_on_sigterm()
+  utils.stop_on_signals()

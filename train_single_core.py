@@ -10,8 +10,8 @@ test_train_mp_imagenet.py.
       --batch_size 16 --num_epochs 1 --num_steps 40 --log_steps 10
 
 With --ckpt_dir the run saves its whole state and, started again with the same command,
-goes on from the newest checkpoint exactly where it stopped. On SIGTERM it finishes the
-step, saves and exits with code 75.
+goes on from the newest checkpoint exactly where it stopped. On SIGTERM (or Ctrl-C) it
+finishes the step, saves and exits with code 75 (130); a second Ctrl-C ends it at once.
 """
 
 import os
@@ -104,7 +104,7 @@ def load_data(cfg, rank, world_size):
   # The order is a function of (seed, epoch) and each image is cropped by its own seed, so a
   # resumed run sees the very batches an uninterrupted one would.
   sampler = utils.EpochSampler(train_set, rank, world_size, cfg.seed, cfg.batch_size)
-  workers = dict(num_workers=cfg.num_workers, worker_init_fn=utils.ignore_sigterm)
+  workers = dict(num_workers=cfg.num_workers, worker_init_fn=utils.ignore_stop_signals)
   if cfg.num_workers:  # torch 2.9 raises on these without workers.
     workers.update(persistent_workers=cfg.persistent_workers, prefetch_factor=cfg.prefetch_factor)
   # Every replica's share has the same length, so every replica has the same batches.
@@ -203,12 +203,12 @@ def save_checkpoint(run, epoch, step, best=False):
 
 
 def stop_run(run, epoch, step):
-  """The end of a run stopped by SIGTERM at a step boundary: saves, says so."""
+  """The end of a run stopped by SIGTERM or Ctrl-C at a step boundary: saves, says so."""
   saved = save_checkpoint(run, epoch, step) if run.cfg.ckpt_dir else None
-  print(f'Stopped by SIGTERM at epoch {epoch} step {step}: ' +
+  name, code = utils.record_stop(run.results)
+  print(f'Stopped by {name} at epoch {epoch} step {step}: ' +
         (f'saved {saved}; run the same command to resume' if saved else
-         'nothing saved (no --ckpt_dir)') + f' (exit code {utils.EXIT_PREEMPTED})', flush=True)
-  run.results['preempted'] = True
+         'nothing saved (no --ckpt_dir)') + f' (exit code {code})', flush=True)
   return run.results
 
 
@@ -272,24 +272,24 @@ def train(cfg):
 
 def main(argv):
   del argv
-  utils.stop_on_sigterm()
   if FLAGS.bf16:
     os.environ['XLA_USE_BF16'] = '1'  # Read when the runtime starts, which is still ahead.
   cfg = SimpleNamespace(**FLAGS.flag_values_dict())
-  try:
-    if not cfg.fake_data and not cfg.datadir:
-      raise utils.UsageError('give --datadir DIR (DIR/train/CLASS/*.jpg, DIR/val/CLASS/*.jpg) '
-                             'or --fake_data')
-    if not cfg.fake_data:
-      utils.check_image_folders(cfg.datadir, ('train', 'val'))
-    if cfg.ckpt_dir:
-      utils.check_checkpoint_dir(cfg.ckpt_dir)
-    results = train(cfg)
-  except (utils.UsageError, utils.BadDataError) as e:
-    utils.die(e)
-  finally:
-    utils.end_loader_workers()
-  utils.write_results(cfg.results_json, results)
+  # SIGTERM and Ctrl-C stop after a step; a second Ctrl-C ends the run at once.
+  with utils.run_watched(launcher=False):
+    try:
+      if not cfg.fake_data and not cfg.datadir:
+        raise utils.UsageError('give --datadir DIR (DIR/train/CLASS/*.jpg, DIR/val/CLASS/*.jpg) '
+                               'or --fake_data')
+      if not cfg.fake_data:
+        utils.check_image_folders(cfg.datadir, ('train', 'val'))
+      utils.check_outputs(cfg.ckpt_dir, cfg.logdir, cfg.results_json)
+      results = train(cfg)
+      utils.write_results(cfg.results_json, results)
+    except (utils.UsageError, utils.BadDataError) as e:
+      utils.die(e)
+    finally:
+      utils.end_loader_workers()
   sys.exit(utils.exit_code(results, cfg.target_accuracy))
 
 

@@ -14,7 +14,8 @@ steps, the shard order changes every epoch, and every test sample is counted onc
 With --ckpt_dir the run saves its whole state and, started again with the same command,
 goes on from the newest checkpoint exactly where it stopped: the stream of the epoch is
 rebuilt from (seed, epoch) and the trained batches are read but not used. On SIGTERM
-every replica finishes the same step, the master saves, and the command exits with 75.
+(or Ctrl-C) every replica finishes the same step, the master saves, and the command
+exits with 75 (130).
 """
 
 import itertools
@@ -106,12 +107,29 @@ SIDE = 32  # CIFAR images are 32x32 RGB, stored as 3072 raw bytes (see make_cifa
 
 
 # ------------------------------------------------------------------------------ data
+def shard_missing(url):
+  """Whether the shard does not exist; a UsageError if its server or bucket cannot be asked."""
+  fs, path = fsspec.core.url_to_fs(url)
+  try:
+    fs.info(path)
+    return False
+  except FileNotFoundError as e:
+    # fsspec's http also says this for a server it cannot reach, with the connection's
+    # error (an OSError) as the cause.
+    if not isinstance(e.__cause__, OSError) or isinstance(e.__cause__, FileNotFoundError):
+      return True
+    error = e.__cause__
+  except Exception as e:  # A name that does not resolve, a bucket without credentials, ...
+    error = e
+  raise utils.UsageError(f'cannot reach {url} ({type(error).__name__}: {error}): check that '
+                         'the server or bucket is up and the address is right')
+
+
 def check_shards(flag, pattern, strict):
   """A UsageError if no shard of the pattern exists (pipe: commands are not checked), or if
   some do not and strict; else a warning line naming those that will be skipped."""
   urls = list(braceexpand.braceexpand(pattern))
-  missing = [url for url in urls if not url.startswith('pipe:') and
-             not fsspec.core.url_to_fs(url)[0].exists(fsspec.core.url_to_fs(url)[1])]
+  missing = [url for url in urls if not url.startswith('pipe:') and shard_missing(url)]
   if len(missing) == len(urls):
     raise utils.UsageError(f'--{flag}: no shard found at {pattern} (first: {urls[0]}); check the '
                            'path or URL and the {first..last} range')
@@ -265,7 +283,7 @@ def load_data(cfg, rank, world_size):
     raise utils.UsageError(f'--trainsize {cfg.trainsize} makes no batch of {cfg.batch_size} for '
                            f'each of {world_size} replicas: lower --batch_size')
   train_set = TrainShards(train_urls, rank, world_size, min(steps, cfg.num_steps or steps), cfg)
-  workers = dict(num_workers=cfg.num_workers, worker_init_fn=utils.ignore_sigterm)
+  workers = dict(num_workers=cfg.num_workers, worker_init_fn=utils.ignore_stop_signals)
   if cfg.num_workers:  # torch 2.9 raises on these without workers.
     workers.update(persistent_workers=True, prefetch_factor=cfg.prefetch_factor)
   train_loader = torch.utils.data.DataLoader(train_set, batch_size=None, **workers)
@@ -387,12 +405,12 @@ def save_checkpoint(run, epoch, step, best=False):
 
 
 def stop_run(run, epoch, step):
-  """The end of a run stopped by SIGTERM at a step boundary: saves, says so."""
+  """The end of a run stopped by SIGTERM or Ctrl-C at a step boundary: saves, says so."""
   saved = save_checkpoint(run, epoch, step) if run.cfg.ckpt_dir else None
-  xm.master_print(f'Stopped by SIGTERM at epoch {epoch} step {step}: ' +
+  name, code = utils.record_stop(run.results)
+  xm.master_print(f'Stopped by {name} at epoch {epoch} step {step}: ' +
                   (f'saved {saved}; run the same command to resume' if saved else
-                   'nothing saved (no --ckpt_dir)') + f' (exit code {utils.EXIT_PREEMPTED})')
-  run.results['preempted'] = True
+                   'nothing saved (no --ckpt_dir)') + f' (exit code {code})')
   return run.results
 
 
@@ -476,12 +494,12 @@ def _mp_fn(index, flag_values):
   cfg = SimpleNamespace(**flag_values)
   try:
     results = train(cfg)
-  except (utils.UsageError, utils.BadDataError) as e:
-    utils.die(e)
+    if xm.is_master_ordinal():
+      utils.write_results(cfg.results_json, results)
+  except Exception as e:  # Ends this replica at once: the launcher then ends the others.
+    utils.replica_failed(e)
   finally:
     utils.end_loader_workers()
-  if xm.is_master_ordinal():
-    utils.write_results(cfg.results_json, results)
   sys.exit(utils.exit_code(results, cfg.target_accuracy))
 
 
@@ -493,13 +511,14 @@ def main(argv):
   try:
     check_shards('wds_traindir', FLAGS.wds_traindir, FLAGS.fail_on_bad_data)
     check_shards('wds_testdir', FLAGS.wds_testdir, FLAGS.fail_on_bad_data)
-    if FLAGS.ckpt_dir:
-      utils.check_checkpoint_dir(FLAGS.ckpt_dir)
+    utils.check_outputs(FLAGS.ckpt_dir, FLAGS.logdir, FLAGS.results_json)
   except utils.UsageError as e:
     utils.die(e)
-  utils.stop_on_sigterm(forward_to_replicas=FLAGS.num_cores != 1)
-  torch_xla.launch(_mp_fn, args=(FLAGS.flag_values_dict(),),
-                   debug_single_process=FLAGS.num_cores == 1)
+  # SIGTERM and Ctrl-C stop every replica after a step; one replica that fails (or a second
+  # Ctrl-C) ends them all at once: see run_watched.
+  with utils.run_watched(launcher=FLAGS.num_cores != 1):
+    torch_xla.launch(_mp_fn, args=(FLAGS.flag_values_dict(),),
+                     debug_single_process=FLAGS.num_cores == 1)
 
 
 if __name__ == '__main__':
@@ -509,4 +528,4 @@ if __name__ == '__main__':
 elif __name__ == '__mp_main__':
   # A replica process of torch_xla.launch imports this file in its main thread, the only
   # one that may catch a signal; train() runs in another thread.
-  utils.stop_on_sigterm()
+  utils.stop_on_signals()

@@ -5,6 +5,7 @@ beside it still works."""
 
 import collections
 import concurrent.futures
+import contextlib
 import io
 import itertools
 import json
@@ -12,9 +13,13 @@ import multiprocessing
 import os
 import pickle
 import re
+import select
 import signal
 import sys
 import threading
+import time
+import traceback
+import zipfile
 
 import fsspec
 import torch
@@ -29,6 +34,7 @@ from PIL import Image
 
 EXIT_BELOW_TARGET = 21  # upstream's code for a run below --target_accuracy
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped by SIGTERM after a checkpoint; run it again.
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a Ctrl-C.
 IMG_EXTENSIONS = torchvision.datasets.folder.IMG_EXTENSIONS
 CHECKPOINT_NAME = re.compile(r'^ckpt-(\d+)\.pt$')
 CHECKPOINT_KEYS = ('model', 'optimizer', 'lr_scheduler', 'epoch', 'step', 'global_step', 'rng',
@@ -86,25 +92,29 @@ def load_image(path):
 
 def check_image_folders(root, splits):
   """The class names of root/SPLIT/CLASS/*.jpg, the same in every split, or a UsageError
-  saying what is wrong."""
-  found = []
+  saying what is wrong. Prints the images and classes of each split as ImageFolder will
+  find them (links followed), so that a folder that is not what the user thinks shows."""
+  found = None
   for folder in (os.path.join(root, split) for split in splits):
     if not os.path.isdir(folder):
       raise UsageError(f'{folder} is not a folder: {root} needs {" and ".join(splits)} with '
                        f'one folder of images per class ({folder}/CLASS/x.jpg)')
-    classes = sorted(e.name for e in os.scandir(folder) if e.is_dir())
-    if not classes:
+    try:
+      classes, class_to_idx = torchvision.datasets.folder.find_classes(folder)
+    except FileNotFoundError:
       raise UsageError(f'{folder} has no class folders: put the images of each class in '
-                       f'{folder}/CLASS_NAME/')
-    for name in classes:
-      with os.scandir(os.path.join(folder, name)) as entries:
-        if not any(e.is_file() and e.name.lower().endswith(IMG_EXTENSIONS) for e in entries):
-          raise UsageError(f'class folder {os.path.join(folder, name)} has no images '
-                           f'({" ".join(IMG_EXTENSIONS)}): add images or remove the folder')
-    if found and classes != found:
+                       f'{folder}/CLASS_NAME/') from None
+    images = torchvision.datasets.folder.make_dataset(folder, class_to_idx, IMG_EXTENSIONS,
+                                                      allow_empty=True)
+    empty = sorted(set(classes) - {classes[label] for _, label in images})
+    if empty:
+      raise UsageError(f'class folder {os.path.join(folder, empty[0])} has no images '
+                       f'({" ".join(IMG_EXTENSIONS)}): add images or remove the folder')
+    if found is not None and classes != found:
       raise UsageError(f'{folder} and {os.path.join(root, splits[0])} must hold the same '
                        'class folders')
     found = classes
+    print(f'{folder}: {len(images):,} images in {len(classes)} classes', flush=True)
   return found
 
 
@@ -268,10 +278,10 @@ def finish_results(results, samples_per_step, writer):
 
 
 def exit_code(results, target_accuracy):
-  """EXIT_PREEMPTED after a stop by SIGTERM, EXIT_BELOW_TARGET (said in a line) when the
-  final accuracy is below the target, else 0."""
-  if results.get('preempted'):
-    return EXIT_PREEMPTED
+  """EXIT_PREEMPTED or EXIT_INTERRUPTED after a stop by SIGTERM or Ctrl-C, EXIT_BELOW_TARGET
+  (said in a line) when the final accuracy is below the target, else 0."""
+  if results.get('preempted') or results.get('interrupted'):
+    return EXIT_INTERRUPTED if results.get('interrupted') else EXIT_PREEMPTED
   if results['final_accuracy'] < target_accuracy:
     xm.master_print(f'Accuracy {results["final_accuracy"]:.2f} is below target '
                     f'{target_accuracy:.2f}', flush=True)
@@ -282,39 +292,62 @@ def exit_code(results, target_accuracy):
 def write_results(path, results):
   """Writes results as JSON to a local path or URL, atomically."""
   if path:
-    fs, local = fsspec.core.url_to_fs(path)
-    fs.makedirs(os.path.dirname(local) or '.', exist_ok=True)
-    write_atomically(json.dumps(results, indent=2).encode() + b'\n', path)
+    try:
+      write_atomically(json.dumps(results, indent=2).encode() + b'\n', path)
+    except OSError as e:
+      raise UsageError(f'cannot write --results_json {path} ({e})') from None
 
 
 def write_atomically(data, url):
-  """Writes bytes under a temporary name and renames: a kill mid-write leaves the old file."""
+  """Writes bytes under a temporary name and renames: a kill mid-write leaves the old file,
+  and a failed write (a full disk) removes its temporary."""
   fs, path = fsspec.core.url_to_fs(url)
-  with fs.open(f'{path}.tmp{os.getpid()}', 'wb') as f:
-    f.write(data)
-    try:  # A local file: on disk before the rename, in case the VM goes down.
-      f.flush()
-      os.fsync(f.fileno())
-    except (AttributeError, OSError, ValueError):  # Not a local file: the store commits it.
-      pass
-  fs.mv(f'{path}.tmp{os.getpid()}', path)
-
-
-# ----------------------------------------------------------------------- checkpoints
-def check_checkpoint_dir(ckpt_dir):
-  """Creates ckpt_dir, removes what a killed save left, and writes a probe file there: a
-  place that takes no checkpoints fails before training."""
+  temporary = f'{path}.tmp{os.getpid()}'
   try:
-    fs, path = fsspec.core.url_to_fs(ckpt_dir)
+    with fs.open(temporary, 'wb') as f:
+      f.write(data)
+      try:  # A local file: on disk before the rename, in case the VM goes down.
+        f.flush()
+        os.fsync(f.fileno())
+      except (AttributeError, io.UnsupportedOperation):  # Not a local file: the store commits it.
+        pass
+    fs.mv(temporary, path)
+  except Exception:
+    if fs.exists(temporary):
+      fs.rm(temporary)
+    raise
+
+
+def check_writable(flag, folder):
+  """Creates folder (a path or URL) and writes a probe file there: a place that takes no
+  output fails before training, not after it."""
+  try:
+    fs, path = fsspec.core.url_to_fs(folder)
     fs.makedirs(path, exist_ok=True)
-    for name in fs.ls(path, detail=False):
-      if '.pt.tmp' in name.rsplit('/', 1)[-1]:
-        fs.rm(name)
     fs.pipe_file(f'{path.rstrip("/")}/.write-test-{os.getpid()}', b'ok')
     fs.rm(f'{path.rstrip("/")}/.write-test-{os.getpid()}')
   except Exception as e:  # PermissionError, NotADirectoryError, a bucket's auth error, ...
-    raise UsageError(f'cannot write checkpoints to --ckpt_dir {ckpt_dir} ({type(e).__name__}: '
-                     f'{e}): give a folder or bucket this job can write') from None
+    raise UsageError(f'cannot write to --{flag} {folder} ({type(e).__name__}: {e}): give a '
+                     'folder or bucket this job can write') from None
+
+
+# ----------------------------------------------------------------------- checkpoints
+def check_outputs(ckpt_dir, logdir, results_json):
+  """Checks at start that every output place given takes files; in ckpt_dir, first removes
+  what a killed save left (freeing its space)."""
+  if ckpt_dir:
+    try:
+      fs, path = fsspec.core.url_to_fs(ckpt_dir)
+      for name in fs.ls(path, detail=False) if fs.isdir(path) else []:
+        if '.pt.tmp' in name.rsplit('/', 1)[-1]:
+          fs.rm(name)
+    except OSError:
+      pass  # Said below.
+    check_writable('ckpt_dir', ckpt_dir)
+  if logdir:
+    check_writable('logdir', logdir)
+  if results_json:
+    check_writable('results_json', os.path.dirname(results_json) or '.')
 
 
 def list_checkpoints(ckpt_dir):
@@ -335,9 +368,13 @@ def save_checkpoint(state, ckpt_dir, keep, best):
   xm.save(state, buffer, master_only=True, global_master=True)
   path = f'{ckpt_dir.rstrip("/")}/ckpt-{state["global_step"]:08d}.pt'
   if master:
-    write_atomically(buffer.getvalue(), path)
-    if best:
-      write_atomically(buffer.getvalue(), f'{ckpt_dir.rstrip("/")}/best.pt')
+    try:
+      write_atomically(buffer.getvalue(), path)
+      if best:
+        write_atomically(buffer.getvalue(), f'{ckpt_dir.rstrip("/")}/best.pt')
+    except OSError as e:  # A full disk or quota, a lost permission.
+      raise UsageError(f'cannot write checkpoint {path} ({e}): free space in --ckpt_dir or '
+                       'give another; the checkpoints already there are kept') from None
     saved = list_checkpoints(ckpt_dir)
     kept = sorted(step for step in saved if step <= state['global_step'])[-keep:]
     for old in (saved[step] for step in saved if step not in kept):
@@ -353,13 +390,19 @@ def load_checkpoint(path):
   tensors and plain values load (weights_only): unpickling other objects could run code."""
   try:
     with fsspec.open(path, 'rb') as f:
+      # torch.save writes a zip archive; random or truncated bytes are not one (and could
+      # look like a pickle that weights_only refuses).
+      if not zipfile.is_zipfile(f):
+        raise EOFError('not the whole zip archive that torch.save writes')
+      f.seek(0)
       state = torch.load(f, map_location='cpu', weights_only=True)
   except pickle.UnpicklingError:
     raise CheckpointError(f'checkpoint {path} holds objects other than tensors and plain '
                           'values; refused, since loading it could run code') from None
-  except Exception as e:  # Truncated or corrupt: RuntimeError, EOFError, ...
+  except Exception as e:  # Truncated or corrupt: EOFError, RuntimeError, ...
     reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    raise CheckpointError(f'checkpoint {path} cannot be read ({reason})') from None
+    raise CheckpointError(f'checkpoint {path} cannot be read: it is not a whole, readable '
+                          f'checkpoint file ({reason})') from None
   missing = [key for key in CHECKPOINT_KEYS if not isinstance(state, dict) or key not in state]
   if missing:
     raise CheckpointError(f'{path} is not a checkpoint of these scripts (no '
@@ -428,34 +471,155 @@ def resume(resume_path, ckpt_dir, training, flag_values, restart_flags):
   return dict(state, path=path)
 
 
-# -------------------------------------------------------------------------- stopping
-# A plain flag: a handler must take no lock, since a second SIGTERM (the launcher passing
-# one on after the VM sent one) can run it while the first is still inside it.
-_sigterm_seen = False
+# ------------------------------------------------------------------ stopping, failing
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+# The first SIGTERM or SIGINT this process got, or 0. A plain value: a handler takes no
+# lock, since a second signal (a launcher passing one on) can run it inside the first.
+_stop_signal = 0
+_replicas = {}  # pid: multiprocessing.Process of every replica seen, alive or not.
+_ending = threading.RLock()  # Held by the thread that ends the run (a handler may re-enter).
 
 
-def stop_on_sigterm(forward_to_replicas=False):
-  """Makes SIGTERM (a TPU VM's warning before maintenance or preemption) a request to stop.
-  Only a main thread may install a handler: a replica calls this while it imports the
-  script. A launcher forwards it, so that `kill PID` stops the replicas too."""
-  signal.signal(signal.SIGTERM, _forward_sigterm if forward_to_replicas else _on_sigterm)
+def stop_on_signals():
+  """In a replica: SIGTERM (a TPU VM's notice of maintenance or preemption) and SIGINT
+  (Ctrl-C) become a request to stop after the current step. Only a main thread may install
+  a handler, so a replica calls this while it imports the script."""
+  for signum in STOP_SIGNALS:
+    signal.signal(signum, _on_stop_signal)
 
 
-def _on_sigterm(signum, frame):
-  global _sigterm_seen
-  _sigterm_seen = True
+def _on_stop_signal(signum, frame):
+  global _stop_signal
+  _stop_signal = _stop_signal or signum
+
+
+@contextlib.contextmanager
+def run_watched(launcher):
+  """In the process the user started, around the run: a thread of its own takes SIGTERM and
+  SIGINT, so that it acts at once even while the main thread is busy in XLA (compiling,
+  say). The first asks for a stop after the current step, a second Ctrl-C ends the run at
+  once. A launcher passes them on to its replicas (`kill PID` reaches it alone), and the
+  same thread watches them: torch_xla.launch waits for replica 0 first, and would wait
+  forever for a run whose other replica failed, so when one ends with an error or a signal
+  (the OOM killer's, say) the thread kills the others and their loader workers and exits
+  with that code (128 + N for signal N)."""
+  wakeup_read, wakeup_write = os.pipe()
+  os.set_blocking(wakeup_write, False)
+  for signum in STOP_SIGNALS:
+    signal.signal(signum, lambda signum, frame: None)  # The watch thread acts on them.
+  signal.set_wakeup_fd(wakeup_write)
+  threading.Thread(target=_watch, args=(wakeup_read, launcher), daemon=True).start()
+  try:
+    yield
+  except concurrent.futures.process.BrokenProcessPool:  # A replica died: the watch says how.
+    for _ in range(50):
+      _check_replicas()
+      time.sleep(0.1)
+    _end_run(1, 'error: a replica process ended abruptly; ended the other replicas')
+
+
+def _watch(wakeup, launcher):
+  global _stop_signal
+  while True:
+    if select.select([wakeup], [], [], 0.2)[0]:
+      for signum in os.read(wakeup, 64):
+        if signum == signal.SIGINT and _stop_signal:
+          _end_run(EXIT_INTERRUPTED, 'Stopped at once by a second Ctrl-C: nothing saved since '
+                   f'the last checkpoint (exit code {EXIT_INTERRUPTED})')
+        _stop_signal = _stop_signal or signum
+        if launcher:  # To the replicas, started or starting; multiprocessing's resource
+          # tracker, the other child, ignores both.
+          replicas = _children_of()[os.getpid()]
+          if not replicas:  # None has started: nothing to save, and none may start now.
+            _end_run(128 + signum, None)
+          for pid in replicas:
+            os.kill(pid, signum)
+    if launcher:
+      _check_replicas()
 
 
 def stop_requested():
-  return _sigterm_seen
+  return _stop_signal != 0
 
 
-def _forward_sigterm(signum, frame):
-  replicas = multiprocessing.active_children()
-  if not replicas:
-    sys.exit(128 + signum)  # No replica has started: nothing to save.
-  for process in replicas:
-    os.kill(process.pid, signum)
+def record_stop(results):
+  """Marks results as stopped by a signal; returns (what stopped the run, the exit code)."""
+  if _stop_signal == signal.SIGINT:
+    results['interrupted'] = True
+    return 'Ctrl-C (SIGINT)', EXIT_INTERRUPTED
+  results['preempted'] = True  # SIGTERM here, or on another replica.
+  return 'SIGTERM', EXIT_PREEMPTED
+
+
+def replica_failed(error):
+  """In a replica: ends this process at once after one `error:` line (exit code 2) or, for a
+  bug, a traceback (exit code 1), so that its launcher sees it and ends the others, which
+  would wait in their next collective forever (pytorch/xla#7974)."""
+  if isinstance(error, (UsageError, BadDataError)):
+    where = f'replica {xr.global_ordinal()}: ' if xr.world_size() > 1 else ''
+    print(f'error: {where}{error}', file=sys.stderr, flush=True)
+  else:
+    traceback.print_exception(error)
+  end_loader_workers()
+  sys.stdout.flush()
+  sys.stderr.flush()
+  os._exit(2 if isinstance(error, (UsageError, BadDataError)) else 1)
+
+
+def _check_replicas():
+  for process in multiprocessing.active_children():
+    _replicas.setdefault(process.pid, process)
+  ended = [(pid, process.exitcode) for pid, process in _replicas.items()
+           if process.exitcode not in (None, 0)]
+  # First one that said why in its `error:` line, last those that the pool, once broken,
+  # ended with SIGTERM (replicas still importing have no handler for it yet).
+  for pid, code in sorted(ended, key=lambda ended: (ended[1] != 2, ended[1] == -signal.SIGTERM)):
+    if code == 2:
+      _end_run(2, None)
+    if _stop_signal:  # During a stop: one still importing dies of the signal, say.
+      name, stop_code = record_stop({})
+      _end_run(stop_code, f'Stopped by {name}: replica process {pid} ended before it saved '
+               f'anything; run the same command to go on from the last checkpoint (exit code '
+               f'{stop_code})')
+    cause = f'was killed by {signal.Signals(-code).name}' if code < 0 else f'failed (exit code {code})'
+    _end_run(128 - code if code < 0 else code,
+             f'error: replica process {pid} {cause}; ended the other replicas')
+
+
+def _end_run(code, message):
+  """Kills every process this one started (replicas, loader workers), says why, exits."""
+  with _ending:  # The first caller ends the process while holding it.
+    for pid in _descendants(os.getpid()):
+      try:
+        os.kill(pid, signal.SIGKILL)
+      except ProcessLookupError:
+        pass
+    if message:
+      print(message, file=sys.stderr if message.startswith('error:') else sys.stdout, flush=True)
+    os._exit(code)
+
+
+def _children_of():
+  """{pid: [its child processes]} from Linux's /proc."""
+  children = collections.defaultdict(list)
+  for entry in filter(str.isdigit, os.listdir('/proc')):
+    try:
+      with open(f'/proc/{entry}/stat') as f:
+        children[int(f.read().rsplit(')', 1)[1].split()[1])].append(int(entry))
+    except (OSError, IndexError, ValueError):
+      pass  # Gone meanwhile.
+  return children
+
+
+def _descendants(pid):
+  """The processes below pid."""
+  children = _children_of()
+  found, todo = [], [pid]
+  while todo:
+    below = children[todo.pop()]
+    found += below
+    todo += below
+  return found
 
 
 def exit_with_launcher():
@@ -468,8 +632,8 @@ def exit_with_launcher():
 
 
 class StopVote:
-  """A SIGTERM as a stop after the same step on every replica: each step all-reduces the
-  flags inside its graph and reads the sum of LAG steps earlier, long computed."""
+  """A stop signal as a stop after the same step on every replica: each step all-reduces
+  the flags inside its graph and reads the sum of LAG steps earlier, long computed."""
   LAG = 2
 
   def __init__(self, device):
@@ -490,10 +654,11 @@ class StopVote:
     return xm.mesh_reduce('stop_request', pending or stop_requested(), any)
 
 
-def ignore_sigterm(worker_id=None):
-  """DataLoader worker_init_fn: workers go on serving batches after a VM-wide SIGTERM, so
-  that the step in flight can finish and save."""
+def ignore_stop_signals(worker_id=None):
+  """DataLoader worker_init_fn: workers go on serving batches after a SIGTERM or Ctrl-C to
+  all processes, so that the step in flight can finish and save."""
   signal.signal(signal.SIGTERM, signal.SIG_IGN)
+  signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def end_loader_workers():

@@ -107,8 +107,10 @@ BAD_INPUTS = {
     'unknown model': (['--fake_data', '--model', 'resnet7'], r'not a torchvision classification'),
     'num_cores other than 1': (['--fake_data', '--num_cores', 8], r'--num_cores=8'),
     'zero batch size': (['--fake_data', '--batch_size', 0], r'--batch_size=0'),
+    'unwritable results_json': (['--fake_data', '--results_json', 'README.md/r.json'],
+                                r'cannot write to --results_json README.md \('),
     'unwritable ckpt_dir': (['--fake_data', '--ckpt_dir', 'README.md/ckpt'],
-                            r'cannot write checkpoints to --ckpt_dir README.md/ckpt \('),
+                            r'cannot write to --ckpt_dir README.md/ckpt \('),
 }
 
 

@@ -68,6 +68,9 @@ def test_learns_counts_every_val_image_once_and_compiles_only_in_epoch_1(tmp_pat
                       '--lr', 0.05, '--num_workers', 2, '--log_steps', 5,
                       '--target_accuracy', 99, '--results_json', tmp_path / 'r.json')
   results = read_json(tmp_path / 'r.json')
+  # What each split holds is said at start, as ImageFolder counts it.
+  assert re.search(r'^\S+/train: 256 images in 4 classes$', result.stdout, re.M), result.stdout
+  assert re.search(r'^\S+/val: 21 images in 4 classes$', result.stdout, re.M)
   assert results['eval_samples'] == 21, result.stdout[-3000:]
   assert results['eval_correct'] == 20
   assert results['final_accuracy'] == pytest.approx(100 * 20 / 21)
@@ -121,8 +124,13 @@ BAD_INPUTS = {
     'zero steps': (lambda tmp: ['--fake_data', '--num_steps', 0],
                    r'--num_steps=0: 0 is not a positive integer'),
     'stray argument': (lambda tmp: ['--fake_data', 'resnet18'], r"unexpected arguments \['resnet18'\]"),
+    'unwritable logdir': (lambda tmp: ['--fake_data', '--logdir', _a_file(tmp) / 'tb'],
+                          r'cannot write to --logdir \S+/a_file/tb \(\w+Error'),
+    'unwritable results_json': (lambda tmp: ['--fake_data', '--results_json',
+                                             _a_file(tmp) / 'r.json'],
+                                r'cannot write to --results_json \S+/a_file \(\w+Error'),
     'unwritable ckpt_dir': (lambda tmp: ['--fake_data', '--ckpt_dir', _a_file(tmp) / 'ckpt'],
-                            r'cannot write checkpoints to --ckpt_dir \S+/a_file/ckpt \(\w+Error'),
+                            r'cannot write to --ckpt_dir \S+/a_file/ckpt \(\w+Error'),
 }
 
 

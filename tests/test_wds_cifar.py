@@ -8,10 +8,12 @@ import itertools
 import pickle
 import re
 import signal
+import socket
 import tarfile
 import threading
 from types import SimpleNamespace
 
+import braceexpand
 import fsspec
 import numpy as np
 import pytest
@@ -280,9 +282,9 @@ def test_reads_shards_from_a_pipe_command(shards):
 
 
 def test_reads_shards_over_http(http_shards, shards):
-  urls = wds_cifar.expand_urls(http_shards + '/cifar-test-{000000..000003}.tar')
-  assert wds_cifar.missing_shards(urls) == []
-  assert wds_cifar.missing_shards([http_shards + '/nope.tar']) == [http_shards + '/nope.tar']
+  urls = list(braceexpand.braceexpand(http_shards + '/cifar-test-{000000..000003}.tar'))
+  assert not any(map(wds_cifar.shard_missing, urls))
+  assert wds_cifar.shard_missing(http_shards + '/nope.tar')  # 404: missing, not unreachable.
   local = list(wds_cifar.read_samples(
       [str(p) for p in sorted((shards / 'shards').glob('cifar-test-*.tar'))], never))
   remote = list(wds_cifar.read_samples(urls, never))
@@ -324,6 +326,13 @@ def test_bad_test_shard_is_fatal_with_the_flag(shards, tmp_path):
                    result.stderr, re.M)
 
 
+def closed_port():
+  """A port on 127.0.0.1 where nothing listens (bound, then closed)."""
+  with socket.socket() as probe:
+    probe.bind(('127.0.0.1', 0))
+    return probe.getsockname()[1]
+
+
 BAD_INPUTS = {
     'no shard matches': (lambda s: ['--wds_traindir', s / 'nowhere-{000..009}.tar'],
                          r'--wds_traindir: no shard found at \S+nowhere-\{000\.\.009\}\.tar'),
@@ -332,8 +341,11 @@ BAD_INPUTS = {
                                        r'workers'),
     'not a resnet': (lambda s: ['--model', 'vgg11'], r'--model=vgg11.*not a torchvision ResNet'),
     'missing trainsize': (lambda s: ['--trainsize', None], r'--trainsize must have a value other than None'),
+    'server refuses connections': (
+        lambda s: ['--wds_traindir', f'http://127.0.0.1:{closed_port()}/train-{{000..009}}.tar'],
+        r'cannot reach http://127\.0\.0\.1:\d+/train-000\.tar \(\w+.*\): check that the server'),
     'unwritable ckpt_dir': (lambda s: ['--ckpt_dir', s / 'shards' / 'cifar-test-000000.tar' / 'ckpt'],
-                            r'cannot write checkpoints to --ckpt_dir \S+cifar-test-000000.tar/ckpt'),
+                            r'cannot write to --ckpt_dir \S+cifar-test-000000.tar/ckpt'),
 }
 
 
