@@ -555,7 +555,8 @@ def replica_failed(error):
   """In a replica: ends this process at once after one `error:` line (exit code 2) or, for a
   bug, a traceback (exit code 1), so that its launcher sees it and ends the others, which
   would wait in their next collective forever (pytorch/xla#7974)."""
-  if isinstance(error, (UsageError, BadDataError)):
+  said = isinstance(error, (UsageError, BadDataError))
+  if said:
     where = f'replica {xr.global_ordinal()}: ' if xr.world_size() > 1 else ''
     print(f'error: {where}{error}', file=sys.stderr, flush=True)
   else:
@@ -563,7 +564,7 @@ def replica_failed(error):
   end_loader_workers()
   sys.stdout.flush()
   sys.stderr.flush()
-  os._exit(2 if isinstance(error, (UsageError, BadDataError)) else 1)
+  os._exit(2 if said else 1)
 
 
 def _check_replicas():
