@@ -18,9 +18,11 @@ rebuilt from (seed, epoch) and the trained batches are read but not used. On SIG
 exits with 75 (130).
 """
 
+import io
 import itertools
 import os
 import random
+import re
 import sys
 import time
 from types import SimpleNamespace
@@ -28,6 +30,7 @@ from types import SimpleNamespace
 import braceexpand
 import fsspec
 import numpy as np
+import PIL.Image
 import torch
 import torch.nn.functional as F
 import torch_xla
@@ -103,7 +106,11 @@ RESTART_FLAGS = {'resume', 'ckpt_dir', 'ckpt_every_steps', 'keep_checkpoints', '
                  'host_to_device_transfer_threads', 'fail_on_bad_data', 'num_cores'}
 CIFAR_MEAN = (0.4914, 0.4822, 0.4465)
 CIFAR_STD = (0.2470, 0.2435, 0.2616)
-SIDE = 32  # CIFAR images are 32x32 RGB, stored as 3072 raw bytes (see make_cifar_shards.py)
+SIDE = 32  # CIFAR images are 32x32 RGB.
+# The image files a sample may hold, tried in this order: raw bytes (make_cifar_shards.py),
+# the formats webdataset's ShardWriter writes from a PIL image, and numpy's.
+IMAGE_KEYS = ('rgb', 'ppm', 'png', 'jpg', 'jpeg', 'webp', 'npy')
+PPM_HEADER = re.compile(rb'P6\s+(\d+)\s+(\d+)\s+255\s')  # 8-bit binary RGB, no comment.
 
 
 # ------------------------------------------------------------------------------ data
@@ -138,6 +145,68 @@ def check_shards(flag, pattern, strict):
     if strict:
       raise utils.UsageError(f'{message}: fix the pattern, or drop --fail_on_bad_data to skip them')
     print(f'warning: {message}; they will be skipped', file=sys.stderr, flush=True)
+  first = next((url for url in urls if url not in missing and not url.startswith('pipe:')), None)
+  if first:
+    check_format(flag, first)
+
+
+def check_format(flag, url):
+  """A UsageError if the first sample of the shard is not of a kind this script reads: shards
+  of another format are one line at start, not a warning for every sample."""
+  try:
+    with fsspec.open(url, 'rb') as stream:
+      files = wds.tariterators.tar_file_expander([dict(url=url, stream=stream)])
+      sample = next(wds.tariterators.group_by_keys(files))
+  except Exception:
+    return  # No sample can be read: skipped with a warning (or fatal) when it is.
+  try:
+    decode(sample)
+  except ForeignSample as e:
+    raise utils.UsageError(f'--{flag}: sample {sample["__key__"]} of {url} {e}') from None
+  except BadSample:
+    pass  # One corrupt sample: skipped with a warning (or fatal) when it is read.
+
+
+class BadSample(ValueError):
+  """A sample that cannot be used, saying why."""
+
+
+class ForeignSample(BadSample):
+  """A sample that is not one of a set this script can read (keys, image size)."""
+
+
+def decode(sample):
+  """(image uint8 32x32x3, label) of a sample: the image from its rgb (3,072 raw bytes), ppm,
+  png, jpg, jpeg, webp (converted to RGB as PIL does) or npy (uint8 32x32x3) file, the label
+  from its cls file (ASCII digits: how ShardWriter writes an int)."""
+  image_key = next((key for key in IMAGE_KEYS if key in sample), None)
+  if image_key is None or 'cls' not in sample:
+    found = ', '.join(sorted(key for key in sample if not key.startswith('__'))) or 'no file'
+    raise ForeignSample(f'holds {found}, where an image ({", ".join(IMAGE_KEYS)}) and a label '
+                        "(cls) are expected: write the shards with such keys, e.g. ShardWriter "
+                        "and {'ppm': PIL image, 'cls': int}, or with make_cifar_shards.py")
+  data = sample[image_key]
+  try:
+    if image_key == 'rgb':
+      image = np.frombuffer(data, np.uint8).reshape(SIDE, SIDE, 3)
+    elif image_key == 'npy':
+      image = np.load(io.BytesIO(data), allow_pickle=False)
+    elif image_key == 'ppm' and (header := PPM_HEADER.match(data)):  # Raw RGB: no PIL needed.
+      width, height = int(header[1]), int(header[2])
+      image = np.frombuffer(data, np.uint8, width * height * 3, header.end())
+      image = image.reshape(height, width, 3)
+    else:
+      with PIL.Image.open(io.BytesIO(data)) as pil:
+        image = np.asarray(pil.convert('RGB'))
+    label = int(sample['cls'])
+  except (ValueError, OSError, EOFError, SyntaxError) as e:  # What PIL and numpy raise.
+    raise BadSample(f'has no readable {image_key} image and cls label ({e!r})') from None
+  if image.shape != (SIDE, SIDE, 3) or image.dtype != np.uint8:
+    size = (f'{image.shape[1]}x{image.shape[0]}' if image.ndim == 3 and image.dtype == np.uint8
+            else f'a {image.dtype} array of shape {image.shape}')
+    raise ForeignSample(f'holds a {image_key} image of {size}: this script trains on 32x32 RGB '
+                        'images (uint8 arrays in npy); resize them when writing the shards')
+  return image, label
 
 
 def read_samples(urls, on_bad):
@@ -152,12 +221,9 @@ def read_samples(urls, on_bad):
         files = wds.tariterators.tar_file_expander([dict(url=url, stream=stream)])
         for sample in wds.tariterators.group_by_keys(files):
           try:
-            image = np.frombuffer(sample['rgb'], np.uint8).reshape(SIDE, SIDE, 3)
-            label = int(sample['cls'])
-          except (KeyError, ValueError) as e:
-            on_bad(f'sample {sample["__key__"]} of {url} has no readable image and label ({e!r})')
-            continue
-          yield image, label
+            yield decode(sample)
+          except BadSample as e:
+            on_bad(f'sample {sample["__key__"]} of {url} {e}')
       finally:
         stream.close()
     except utils.BadDataError:
@@ -168,16 +234,27 @@ def read_samples(urls, on_bad):
 
 
 class BadData:
-  """A missing or corrupt shard or sample: raised (strict), or a warning line and a count."""
+  """A missing or corrupt shard or sample: raised (strict), or counted in counts[slot] with a
+  warning line for the first few; counts may be a tensor that the loader workers of a
+  replica share (one slot each), so that a million bad samples are not a million lines."""
+  SHOWN = 5
 
-  def __init__(self, strict):
-    self.strict, self.count = strict, 0
+  def __init__(self, strict, counts=None, slot=0):
+    self.strict, self.slot = strict, slot
+    self.counts = torch.zeros(1, dtype=torch.int64) if counts is None else counts
+
+  @property
+  def count(self):
+    return int(self.counts[self.slot])
 
   def __call__(self, message):
     if self.strict:
       raise utils.BadDataError(f'{message}: replace it, or drop --fail_on_bad_data to skip it')
-    print(f'warning: {message}; skipped', file=sys.stderr, flush=True)
-    self.count += 1
+    self.counts[self.slot] += 1
+    shown = int(self.counts.sum())
+    if shown <= self.SHOWN:
+      more = ' (more are counted, not shown: see the count at the end)' if shown == self.SHOWN else ''
+      print(f'warning: {message}; skipped{more}', file=sys.stderr, flush=True)
 
 
 def augment(images, rng):
@@ -244,7 +321,7 @@ class TrainShards(torch.utils.data.IterableDataset):
     info = torch.utils.data.get_worker_info()
     worker, num_workers = (info.id, info.num_workers) if info else (0, 1)
     epoch, first_step = self.epoch_and_step.tolist()
-    seed, bad = self.cfg.seed, BadData(self.cfg.fail_on_bad_data)
+    seed, bad = self.cfg.seed, BadData(self.cfg.fail_on_bad_data, self.counts[:, 0], worker)
     # The DataLoader takes batch i from worker i % num_workers: this worker makes its share
     # of the epoch and stops, instead of reading on for batches nobody takes. A worker whose
     # first turn falls below first_step (a resumed run) sends None there (the loader drops
@@ -258,7 +335,6 @@ class TrainShards(torch.utils.data.IterableDataset):
         self.samples(self.shards(epoch, worker, num_workers), rng, bad))
     for number, batch in enumerate(itertools.islice(batches, share), 1):
       images, labels, passes = zip(*batch)
-      self.counts[worker, 0] = bad.count
       self.counts[worker, 1] += sum(map(bool, passes))  # Samples of a second pass or later.
       if number <= skip:
         continue  # Trained before the resume: read, for the shuffle, but not sent.
@@ -289,9 +365,13 @@ def load_data(cfg, rank, world_size):
   train_loader = torch.utils.data.DataLoader(train_set, batch_size=None, **workers)
   # The test set is small (10k CIFAR images are 30 MB): every replica reads it all, once,
   # and evaluates its share, as the image-folder scripts do.
-  samples = list(read_samples(test_urls, BadData(cfg.fail_on_bad_data)))
+  bad = BadData(cfg.fail_on_bad_data)
+  samples = list(read_samples(test_urls, bad))
   if not samples:
     raise utils.BadDataError(f'no readable sample in the test shards {cfg.wds_testdir}')
+  if bad.count:
+    print(f'Replica {rank}: skipped {bad.count} bad shards or samples of the test shards',
+          flush=True)
   if len(samples) != cfg.testsize:
     xm.master_print(f'warning: the test shards hold {len(samples)} samples, --testsize is '
                     f'{cfg.testsize}', fd=sys.stderr)

@@ -1,17 +1,21 @@
-"""Host input pipeline for 32x32 images: samples/s of train_wds_cifar.py's shard pipeline
-against torchvision ImageFolder over the same images as loose PNG files.
+"""Host input pipeline for 32x32 images: samples/s of train_wds_cifar.py's shard pipeline,
+over shards of each image format it reads, against torchvision ImageFolder over the same
+images as loose PNG files.
 
-Both do what a CIFAR training step needs: read, decode, random crop with 4 px padding,
-horizontal flip, batch. ImageFolder also converts to float and normalises on the host,
-as the usual torchvision pipeline does; the shard pipeline leaves both to the device
-and sends uint8. Prints a markdown table.
+Every pipeline does what a CIFAR training step needs: read, decode, random crop with 4 px
+padding, horizontal flip, batch. ImageFolder also converts to float and normalises on the
+host, as the usual torchvision pipeline does; the shard pipeline leaves both to the device
+and sends uint8. The shards: raw bytes and PNG as make_cifar_shards.py writes them
+(--format rgb, png), PPM as the Cloud TPU WebDataset tutorial writes them (webdataset's
+ShardWriter and PIL images). Prints a markdown table.
 
-  python benchmarks/input_pipeline.py            # 10,000 images, about 2 minutes
+  python benchmarks/input_pipeline.py            # 10,000 images, about 3 minutes
   python benchmarks/input_pipeline.py --quick    # 1,000 images, a smoke test
 
 --batch_size (128) is train_wds_cifar.py's flag.
 """
 
+import io
 import os
 import pathlib
 import platform
@@ -23,6 +27,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 import torchvision
+import webdataset as wds
 from absl import app, flags
 from PIL import Image
 
@@ -60,45 +65,94 @@ def rate(loader, passes):
   return samples / (time.perf_counter() - start)
 
 
+def write_tutorial_shards(images, labels, pattern, samples_per_shard):
+  """The images as the Cloud TPU WebDataset tutorial writes them: PPM from PIL, int labels."""
+  with wds.ShardWriter(pattern, maxcount=samples_per_shard, verbose=0) as sink:
+    for i, (image, label) in enumerate(zip(images, labels)):
+      sink.write({'__key__': '%07d' % i, 'ppm': Image.fromarray(image), 'cls': int(label)})
+  return sorted(str(path) for path in pathlib.Path(pattern).parent.glob('*.tar'))
+
+
+def shard_loader(urls, count, workers):
+  """train_wds_cifar.py's loader over the shards: one pass is the batches they hold."""
+  batches = count // FLAGS.batch_size
+  shards = train_wds_cifar.TrainShards(urls, 0, 1, batches, SimpleNamespace(
+      batch_size=FLAGS.batch_size, shuffle_buffer=count, seed=0, fail_on_bad_data=True,
+      num_workers=workers))
+  # Workers live through the passes, as through the epochs of the training scripts.
+  return utils.EpochLoader(torch.utils.data.DataLoader(
+      shards, batch_size=None, num_workers=workers, persistent_workers=workers > 0), batches,
+      order=shards)
+
+
+def decode_costs(images):
+  """Microseconds train_wds_cifar.decode takes for one image of each format it reads."""
+  def encoded(image, image_format, **options):
+    with io.BytesIO() as f:
+      if image_format == 'NPY':
+        np.save(f, image)
+      else:
+        Image.fromarray(image).save(f, format=image_format, **options)
+      return f.getvalue()
+  files = {'rgb': lambda image: image.tobytes(), 'ppm': lambda image: encoded(image, 'PPM'),
+           'png': lambda image: encoded(image, 'PNG'),
+           'jpg': lambda image: encoded(image, 'JPEG', quality=95),
+           'webp': lambda image: encoded(image, 'WEBP', lossless=True),
+           'npy': lambda image: encoded(image, 'NPY')}
+  costs = {}
+  for key, encode in files.items():
+    samples = [{'__key__': str(i), key: encode(image), 'cls': b'1'} for i, image in enumerate(images)]
+    start = time.perf_counter()
+    for sample in samples:
+      train_wds_cifar.decode(sample)
+    costs[key] = ((time.perf_counter() - start) / len(samples) * 1e6,
+                  sum(len(sample[key]) for sample in samples) / len(samples))
+  return costs
+
+
 def main(argv):
   del argv
   count = 1000 if FLAGS.quick else 10000
   passes = 1 if FLAGS.quick else 5
+  rows = []
   with tempfile.TemporaryDirectory() as tmp:
     tmp = pathlib.Path(tmp)
     images, labels = make_images(tmp / 'png', count)
-    urls = make_cifar_shards.write_shards(images, labels, range(count),
-                                          str(tmp / 'shards' / 'train-%06d.tar'),
-                                          samples_per_shard=count // 10)
+    per_shard = count // 10
+    shards = {f'shards, {image_format}': make_cifar_shards.write_shards(
+        images, labels, range(count), str(tmp / image_format / 'train-%06d.tar'), per_shard,
+        image_format) for image_format in ('rgb', 'png')}
+    (tmp / 'ppm').mkdir()
+    shards['shards, ppm (tutorial)'] = write_tutorial_shards(
+        images, labels, str(tmp / 'ppm' / 'train-%06d.tar'), per_shard)
     T = torchvision.transforms
     folder = torchvision.datasets.ImageFolder(tmp / 'png', T.Compose([
         T.RandomCrop(32, padding=4), T.RandomHorizontalFlip(), T.ToTensor(),
         T.Normalize(train_wds_cifar.CIFAR_MEAN, train_wds_cifar.CIFAR_STD)]))
-    rows = []
     for workers in map(int, FLAGS.workers):
-      # Workers live through the passes, as through the epochs of the training scripts.
-      persistent = dict(persistent_workers=workers > 0)
       folder_loader = torch.utils.data.DataLoader(folder, FLAGS.batch_size, shuffle=True,
-                                                  num_workers=workers, drop_last=True, **persistent)
-      # One pass is the batches the shards hold, as one epoch of the training script.
-      batches = count // FLAGS.batch_size
-      shards = train_wds_cifar.TrainShards(urls, 0, 1, batches, SimpleNamespace(
-          batch_size=FLAGS.batch_size, shuffle_buffer=count, seed=0, fail_on_bad_data=True,
-          num_workers=workers))
-      shard_loader = utils.EpochLoader(torch.utils.data.DataLoader(
-          shards, batch_size=None, num_workers=workers, **persistent), batches, order=shards)
+                                                  num_workers=workers, drop_last=True,
+                                                  persistent_workers=workers > 0)
       folder_rate = rate(folder_loader, passes)
-      shard_rate = rate(shard_loader, passes)
-      cores = max(1, workers)
-      rows.append((workers, folder_rate, shard_rate, folder_rate / cores, shard_rate / cores))
-  print(f'Input pipeline, {count} images of 32x32, batch {FLAGS.batch_size}, '
-        f'{platform.processor() or platform.machine()}, {os.cpu_count()} cores')
+      rows.append(('ImageFolder, loose PNG files', workers, folder_rate, 1.0))
+      for name, urls in shards.items():
+        shard_rate = rate(shard_loader(urls, count, workers), passes)
+        rows.append((name, workers, shard_rate, shard_rate / folder_rate))
+  machine = f'{platform.processor() or platform.machine()}, {os.cpu_count()} cores'
+  print(f'Decoding one 32x32 noise image (train_wds_cifar.decode, mean of 1,000), {machine}')
   print()
-  print('| workers | ImageFolder (PNG) samples/s | WebDataset shards samples/s | per core: ImageFolder | '
-        'per core: shards | shards / ImageFolder |')
-  print('| --- | --- | --- | --- | --- | --- |')
-  for workers, f, s, fc, sc in rows:
-    print(f'| {workers} | {f:,.0f} | {s:,.0f} | {fc:,.0f} | {sc:,.0f} | {s / f:.1f}x |')
+  print('| image file | us per image | bytes per image |')
+  print('| --- | --- | --- |')
+  for key, (micros, size) in decode_costs(images[:1000]).items():
+    print(f'| {key} | {micros:.1f} | {size:,.0f} |')
+  print()
+  print(f'Input pipeline, {count} images of 32x32, batch {FLAGS.batch_size}, {machine}')
+  print()
+  print('| images | workers | samples/s | per core | / ImageFolder |')
+  print('| --- | --- | --- | --- | --- |')
+  for name, workers, samples, ratio in rows:
+    print(f'| {name} | {workers} | {samples:,.0f} | {samples / max(1, workers):,.0f} | '
+          f'{ratio:.1f}x |')
 
 
 if __name__ == '__main__':

@@ -15,6 +15,8 @@ def test_benchmark_prints_its_tables():
   assert re.search(r'^\| eager PyTorch, CPU \| fake \| [\d,.]+ \| \| \| \|$', out, re.M)
   assert re.search(r'^\| resnet50 \+ momentum, size \| [\d,]+ MB \|$', out, re.M)
   assert re.search(r'resumed at epoch 2 step 1: start to first new step \| [\d.]+ s \|$', out, re.M)
-  pipeline = re.findall(r'^\| (\d+) \| [\d,]+ \| [\d,]+ \| [\d,]+ \| [\d,]+ \| [\d.]+x \|$', out,
-                        re.M)
-  assert pipeline == ['0', '2']
+  decoders = re.findall(r'^\| (\w+) \| [\d.]+ \| [\d,]+ \|$', out, re.M)
+  assert decoders == ['rgb', 'ppm', 'png', 'jpg', 'webp', 'npy'], out
+  pipeline = re.findall(r'^\| ([^|]+) \| (\d) \| [\d,]+ \| [\d,]+ \| [\d.]+x \|$', out, re.M)
+  sources = ['ImageFolder, loose PNG files', 'shards, rgb', 'shards, png', 'shards, ppm (tutorial)']
+  assert pipeline == [(s, w) for w in '02' for s in sources], out

@@ -16,8 +16,10 @@ from types import SimpleNamespace
 import braceexpand
 import fsspec
 import numpy as np
+import PIL.Image
 import pytest
 import torch
+import webdataset as wds
 
 import make_cifar_shards
 import train_wds_cifar as wds_cifar
@@ -36,6 +38,35 @@ def shards(tmp_path_factory):
                       '--output', root / 'shards' / 'cifar', '--samples_per_shard', 50)
   assert result.returncode == 0, result.stderr
   return root
+
+
+@pytest.fixture(scope='module')
+def tutorial_shards(shards):
+  """The same data written as the Cloud TPU WebDataset tutorial writes CIFAR-10: ShardWriter,
+  one sample = {'__key__': '%07d' % i, 'ppm': PIL image, 'cls': int}, train/ and val/ folders.
+  Every 16th training sample is a corrupt ppm (30 of 480)."""
+  for split, batches in [('train', [f'data_batch_{i}' for i in range(1, 6)]), ('val', ['test_batch'])]:
+    parts = [cifar_split(shards / 'cifar-10-batches-py', name) for name in batches]
+    images, labels = np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
+    (shards / 'shards' / 'tutorial' / split).mkdir(parents=True)
+    pattern = str(shards / 'shards' / 'tutorial' / split / f'cifar-{split}-%06d.tar')
+    with wds.ShardWriter(pattern, maxcount=50, verbose=0) as sink:
+      for i, (image, label) in enumerate(zip(images, labels)):
+        ppm = PIL.Image.fromarray(image)
+        if split == 'train' and i % 16 == 5:
+          ppm = b'P6\n32 32\n255\n' + image.tobytes()[:100]  # Cut short.
+        sink.write({'__key__': '%07d' % i, 'ppm': ppm, 'cls': int(label)})
+  return shards / 'shards' / 'tutorial'
+
+
+@pytest.fixture(scope='module')
+def png_shards(shards):
+  """The same data as make_cifar_shards.py --format png writes it."""
+  result = run_script('make_cifar_shards.py', '--cifar_dir', shards / 'cifar-10-batches-py',
+                      '--output', shards / 'shards' / 'png' / 'cifar', '--samples_per_shard', 50,
+                      '--format', 'png')
+  assert result.returncode == 0, result.stderr
+  return shards / 'shards' / 'png'
 
 
 def cifar_split(folder, name):
@@ -67,14 +98,20 @@ def test_writer_stores_every_image_and_label_exactly(shards):
   assert len(set(first_labels)) == len(COLOURS)  # Shuffled: every shard holds every class.
 
 
-def test_writer_repeat_and_fsspec_output(shards):
+def test_writer_repeat_png_and_fsspec_output(shards, tmp_path):
   images, labels = cifar_split(shards / 'cifar-10-batches-py', 'data_batch_1')
   order = list(range(len(labels))) * 2
-  urls = make_cifar_shards.write_shards(images, labels, order, 'memory://out/c-train-%06d.tar', 64)
+  urls = make_cifar_shards.write_shards(images, labels, order, 'memory://out/c-train-%06d.tar', 64,
+                                        'png')
   assert urls == [f'memory://out/c-train-{i:06d}.tar' for i in range(3)]
   assert not fsspec.filesystem('memory').glob('/out/*.tmp')
   read = list(wds_cifar.read_samples(urls, never))
   assert len(read) == 192 and [l for _, l in read] == list(labels) * 2
+  assert all(np.array_equal(image, images[i]) for (image, _), i in zip(read, order, strict=True))
+  # PNG, as other tools read them: webdataset's own pipeline and PIL.
+  fsspec.filesystem('memory').get('/out/c-train-000000.tar', str(tmp_path / 'c.tar'))
+  first = next(iter(wds.WebDataset(str(tmp_path / 'c.tar'), shardshuffle=False).decode('pil')))
+  assert np.array_equal(np.asarray(first['png']), images[0]) and first['cls'] == labels[0]
 
 
 def test_writer_reads_an_image_folder(tmp_path):
@@ -198,13 +235,18 @@ def test_workers_kept_through_the_run_make_each_epoch_as_new_ones_would(shards):
     assert torch.equal(torch.stack(epoch_batches(kept)), torch.stack(expected)), epoch
 
 
-@pytest.mark.parametrize('num_workers', [0, 1, 3])
-def test_resumed_stream_gives_the_batches_after_the_skip_and_ends_with_the_epoch(shards,
-                                                                                 num_workers):
-  train = [str(p) for p in sorted((shards / 'shards').glob('cifar-train-*.tar'))]
+@pytest.mark.parametrize('num_workers,image_format', [(0, 'rgb'), (1, 'png'), (3, 'tutorial')])
+def test_resumed_stream_gives_the_batches_after_the_skip_and_ends_with_the_epoch(
+    request, num_workers, image_format):
+  # rgb and png from make_cifar_shards.py; the tutorial's ppm, with its corrupt samples.
+  folder = request.getfixturevalue({'rgb': 'shards', 'png': 'png_shards',
+                                    'tutorial': 'tutorial_shards'}[image_format])
+  folder = folder / {'rgb': 'shards', 'png': '.', 'tutorial': 'train'}[image_format]
+  train = [str(p) for p in sorted(folder.glob('cifar-train-*.tar'))]
+  assert len(train) == 10
   def batches(skip, steps):
     dataset = train_shards(train, 1, 2, steps, batch_size=8, shuffle_buffer=40,
-                           num_workers=num_workers)
+                           num_workers=num_workers, fail_on_bad_data=image_format != 'tutorial')
     dataset.set_epoch(2, skip)
     loader = torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=num_workers)
     # No cap: the workers stop when the epoch has its batches (islice: a bound, not a cap).
@@ -238,17 +280,71 @@ def test_truncated_shard_is_skipped_with_a_warning_or_fatal(shards, tmp_path, ca
     list(wds_cifar.read_samples([bad], wds_cifar.BadData(strict=True)))
 
 
-def test_sample_without_label_is_skipped(tmp_path):
-  path = tmp_path / 'odd.tar'
+def write_tar(path, members):
   with tarfile.open(path, 'w') as tar:
-    for name, data in [('a.rgb', bytes(3072)), ('a.cls', b'1'), ('b.rgb', bytes(3072)),
-                       ('c.rgb', bytes(5)), ('c.cls', b'2')]:
+    for name, data in members:
       info = tarfile.TarInfo(name)
       info.size = len(data)
       tar.addfile(info, io.BytesIO(data))
+  return str(path)
+
+
+def test_sample_without_label_is_skipped(tmp_path):
+  path = write_tar(tmp_path / 'odd.tar', [('a.rgb', bytes(3072)), ('a.cls', b'1'),
+                                          ('b.rgb', bytes(3072)), ('c.rgb', bytes(5)),
+                                          ('c.cls', b'2')])
   counter = wds_cifar.BadData(strict=False)
-  read = list(wds_cifar.read_samples([str(path)], counter))
+  read = list(wds_cifar.read_samples([path], counter))
   assert [label for _, label in read] == [1] and counter.count == 2
+
+
+def test_bad_sample_warnings_stop_after_a_few_and_the_count_goes_on(tmp_path, capfd):
+  bad = write_tar(tmp_path / 'bad.tar', [(f'{i:04d}.{key}', data) for i in range(40)
+                                         for key, data in [('png', b'not a png'), ('cls', b'1')]])
+  # Two loader workers of a replica count in one shared tensor, one slot each.
+  counts = torch.zeros(2, dtype=torch.int64).share_memory_()
+  for worker in (0, 1):
+    assert list(wds_cifar.read_samples([bad], wds_cifar.BadData(False, counts, worker))) == []
+  assert counts.tolist() == [40, 40]
+  warnings = capfd.readouterr().err.splitlines()
+  assert len(warnings) == wds_cifar.BadData.SHOWN == 5
+  assert all(re.match(r'warning: sample \d{4} of \S+bad\.tar has no readable png image and cls '
+                      r'label \(UnidentifiedImageError', line) for line in warnings), warnings
+  assert warnings[-1].endswith('skipped (more are counted, not shown: see the count at the end)')
+
+
+def encoded(image, image_format, **options):
+  with io.BytesIO() as f:
+    PIL.Image.fromarray(image).save(f, format=image_format, **options)
+    return f.getvalue()
+
+
+def test_reads_every_image_format_of_the_tutorials_in_one_set(tmp_path):
+  rng = np.random.default_rng(seeded_random().randrange(2**32))
+  images = rng.integers(0, 256, (9, 32, 32, 3), dtype=np.uint8)
+  images[[2, 6]] = np.kron(images[[2, 6], :2, :2], np.ones((1, 16, 16, 1), np.uint8))  # Smooth.
+  gray = rng.integers(0, 256, (32, 32), dtype=np.uint8)
+  rgba = rng.integers(0, 256, (32, 32, 4), dtype=np.uint8)
+  # Written by webdataset's own TarWriter from PIL images and arrays, as people write sets.
+  samples = [{'ppm': PIL.Image.fromarray(images[0])}, {'png': PIL.Image.fromarray(images[1])},
+             {'jpg': PIL.Image.fromarray(images[2])}, {'npy': images[3]},
+             {'rgb': images[4].tobytes()}, {'webp': encoded(images[5], 'WEBP', lossless=True)},
+             {'jpeg': encoded(images[6], 'JPEG', quality=95)},
+             {'ppm': encoded(images[7], 'PPM').replace(b'P6\n', b'P6\n# a comment\n')},
+             {'png': encoded(images[8], 'PNG')}, {'png': encoded(gray, 'PNG')},
+             {'png': encoded(rgba, 'PNG')}]
+  with wds.TarWriter(str(tmp_path / 'mixed.tar')) as sink:
+    for i, sample in enumerate(samples):
+      sink.write({'__key__': f'{i:06d}', **sample, 'cls': i})
+  read = list(wds_cifar.read_samples([str(tmp_path / 'mixed.tar')], never))
+  assert [label for _, label in read] == list(range(len(samples)))
+  expected = [*images, np.repeat(gray[:, :, None], 3, 2), rgba[:, :, :3]]
+  for i, ((image, _), source) in enumerate(zip(read, expected, strict=True)):
+    assert image.shape == (32, 32, 3) and image.dtype == np.uint8
+    if i in (2, 6):  # JPEG: lossy, within its usual error.
+      assert np.abs(image.astype(int) - source).mean() < 8, i
+    else:
+      assert np.array_equal(image, source), i
 
 
 class QuietHandler(http.server.SimpleHTTPRequestHandler):
@@ -292,10 +388,12 @@ def test_reads_shards_over_http(http_shards, shards):
   assert all((a == b).all() and l == m for (a, l), (b, m) in zip(local, remote, strict=True))
 
 
-def test_trains_over_http_to_high_accuracy(http_shards, tmp_path):
+def test_trains_on_the_tutorials_shards_over_http_to_high_accuracy(http_shards, tutorial_shards,
+                                                                    tmp_path):
   result = run_script(
-      'train_wds_cifar.py', '--wds_traindir', http_shards + '/cifar-train-{000000..000009}.tar',
-      '--trainsize', 480, '--wds_testdir', http_shards + '/cifar-test-{000000..000003}.tar',
+      'train_wds_cifar.py', '--wds_traindir',
+      http_shards + '/tutorial/train/cifar-train-{000000..000009}.tar', '--trainsize', 480,
+      '--wds_testdir', http_shards + '/tutorial/val/cifar-val-{000000..000003}.tar',
       '--testsize', 200, '--batch_size', 16, '--test_set_batch_size', 64, '--num_epochs', 3,
       '--lr', 0.05, '--num_workers', 2, '--shuffle_buffer', 100, '--log_steps', 10,
       '--ckpt_dir', tmp_path / 'ckpt', '--results_json', tmp_path / 'r.json')
@@ -305,6 +403,13 @@ def test_trains_over_http_to_high_accuracy(http_shards, tmp_path):
   assert results['eval_samples'] == 200  # 200 test samples in batches of 64: padded, counted once.
   assert results['train_steps'] == 3 * 30
   assert re.findall(r'Replica Train Samples=(\d+)', result.stdout) == ['480'] * 3
+  # 30 corrupt samples an epoch (some read twice to fill the epoch): a few warnings, then counts.
+  skipped = re.findall(r'^Epoch \d Replica 0: skipped (\d+) bad shards or samples$', result.stdout,
+                       re.M)
+  assert len(skipped) == 3 and all(int(n) >= 25 for n in skipped), result.stdout
+  assert results['skipped_bad_data'] == sum(map(int, skipped))
+  warnings = re.findall(r'^warning: sample \d{7} of \S+ has no readable ppm image', result.stderr, re.M)
+  assert 3 <= len(warnings) <= 3 * (wds_cifar.BadData.SHOWN + 1), result.stderr
   assert re.search(r'^Epoch 3 train end .*, Reduced GlobalRate=\d+\.\d\d$', result.stdout, re.M)
   assert re.search(r'^Total train time: [\d.]+ s$', result.stdout, re.M)
   counts = results['compilations_after_epoch']
@@ -344,6 +449,14 @@ BAD_INPUTS = {
     'server refuses connections': (
         lambda s: ['--wds_traindir', f'http://127.0.0.1:{closed_port()}/train-{{000..009}}.tar'],
         r'cannot reach http://127\.0\.0\.1:\d+/train-000\.tar \(\w+.*\): check that the server'),
+    'shards of unknown keys': (
+        lambda s: ['--wds_traindir', s / 'foreign' / 'keys.tar'],
+        r'--wds_traindir: sample 000000 of \S+keys\.tar holds image\.jpg, label, where an image '
+        r'\(rgb, ppm, png, jpg, jpeg, webp, npy\) and a label \(cls\) are expected'),
+    'images of another size': (
+        lambda s: ['--wds_testdir', s / 'foreign' / 'size.tar'],
+        r'--wds_testdir: sample 000000 of \S+size\.tar holds a png image of 64x48: this script '
+        r'trains on 32x32'),
     'unwritable ckpt_dir': (lambda s: ['--ckpt_dir', s / 'shards' / 'cifar-test-000000.tar' / 'ckpt'],
                             r'cannot write to --ckpt_dir \S+cifar-test-000000.tar/ckpt'),
 }
@@ -352,6 +465,13 @@ BAD_INPUTS = {
 @pytest.mark.parametrize('case', BAD_INPUTS)
 def test_bad_input_is_one_clear_line_and_exit_2(shards, case):
   make_args, message = BAD_INPUTS[case]
+  if not (shards / 'foreign').exists():
+    (shards / 'foreign').mkdir()
+    with wds.TarWriter(str(shards / 'foreign' / 'keys.tar')) as sink:
+      for i in range(200):
+        sink.write({'__key__': f'{i:06d}', 'image.jpg': np.zeros((32, 32, 3), np.uint8), 'label': b'1'})
+    with wds.TarWriter(str(shards / 'foreign' / 'size.tar')) as sink:
+      sink.write({'__key__': '000000', 'png': np.zeros((48, 64, 3), np.uint8), 'cls': 1})
   args = {'--wds_traindir': str(shards / 'shards' / 'cifar-train-{000000..000009}.tar'),
           '--trainsize': 480, '--wds_testdir': str(shards / 'shards' / 'cifar-test-{000000..000003}.tar'),
           '--testsize': 200}
