@@ -26,6 +26,7 @@ import torch
 import torch_xla
 import torch_xla.core.xla_model as xm
 import torch_xla.debug.metrics as met
+import torch_xla.distributed.spmd as xs
 import torch_xla.runtime as xr
 import torch_xla.test.test_utils as test_utils
 import torchvision
@@ -247,8 +248,10 @@ class StepLog:
 
 
 def execute_seconds():
-  """Seconds this process's XLA graphs have spent executing (torch_xla's ExecuteTime)."""
-  return (met.metric_data('ExecuteTime') or (0, 0))[1] / 1e9
+  """Seconds this process's XLA graphs have spent executing (torch_xla's ExecuteTime, or
+  ExecuteReplicatedTime under SPMD)."""
+  return sum((met.metric_data(name) or (0, 0))[1] for name in
+             ('ExecuteTime', 'ExecuteReplicatedTime')) / 1e9
 
 
 def compile_count():
@@ -258,10 +261,10 @@ def compile_count():
 
 def new_results(model, **extra):
   """The numbers a run adds up as it goes, which --results_json writes (see the README)."""
-  return dict(model=model, world_size=xr.world_size(), epochs=0, train_steps=0,
-              max_accuracy=0.0, final_accuracy=0.0, eval_correct=0, eval_samples=0,
-              epoch_rates=[], epoch_device_busy=[], compilations_after_epoch=[],
-              train_seconds=0.0, bf16=os.environ.get('XLA_USE_BF16') == '1', **extra)
+  return dict(dict(model=model, world_size=xr.world_size(), epochs=0, train_steps=0,
+                   max_accuracy=0.0, final_accuracy=0.0, eval_correct=0, eval_samples=0,
+                   epoch_rates=[], epoch_device_busy=[], compilations_after_epoch=[],
+                   train_seconds=0.0, bf16=os.environ.get('XLA_USE_BF16') == '1'), **extra)
 
 
 def finish_results(results, samples_per_step, writer):
@@ -350,6 +353,12 @@ def check_outputs(ckpt_dir, logdir, results_json):
     check_writable('results_json', os.path.dirname(results_json) or '.')
 
 
+def is_master():
+  """Whether this process writes checkpoints and results: replica 0 of the run or, under
+  SPMD (one process per host, each of them ordinal 0), process 0."""
+  return xr.process_index() == 0 if xr.is_spmd() else xm.is_master_ordinal(local=False)
+
+
 def list_checkpoints(ckpt_dir):
   """{global_step: path} of the checkpoints in ckpt_dir."""
   fs, path = fsspec.core.url_to_fs(ckpt_dir)
@@ -363,9 +372,11 @@ def save_checkpoint(state, ckpt_dir, keep, best):
   calls it at the same step; the master writes, and none goes on before the file is whole.
   Keeps the newest `keep` up to this one (newer ones are from a rolled-back run)."""
   torch_xla.sync()  # Runs the step still being traced, so that saving only copies data.
-  master = xm.is_master_ordinal(local=False)
+  master = is_master()
   buffer = io.BytesIO() if master else None
-  xm.save(state, buffer, master_only=True, global_master=True)
+  # SPMD: every host holds the whole (replicated) state; process 0 copies it out and writes.
+  if master or not xr.is_spmd():
+    xm.save(state, buffer, master_only=True, global_master=True)
   path = f'{ckpt_dir.rstrip("/")}/ckpt-{state["global_step"]:08d}.pt'
   if master:
     try:
@@ -633,26 +644,38 @@ def exit_with_launcher():
 
 
 class StopVote:
-  """A stop signal as a stop after the same step on every replica: each step all-reduces
-  the flags inside its graph and reads the sum of LAG steps earlier, long computed."""
+  """A stop signal as a stop after the same step on every replica (or, under SPMD, host):
+  each step sums the flags inside its graph and reads the sum of LAG steps earlier, long
+  computed."""
   LAG = 2
 
-  def __init__(self, device):
+  def __init__(self, device, mesh=None):
     # Two device buffers, copied once: a step passes one, with no transfer per step. Not
     # scalars, which torch_xla would turn into constants, a graph of their own.
-    self.flags = (torch.zeros(1).to(device), torch.ones(1).to(device))
-    self.votes = collections.deque()
+    if mesh is None:  # One process per device: the replicas all-reduce their flags.
+      self.flags = (torch.zeros(1).to(device), torch.ones(1).to(device))
+      self.sum = lambda flag: xm.all_reduce(xm.REDUCE_SUM, flag)
+    else:  # SPMD: one global tensor, a host's flag on each of its devices; XLA sums it.
+      local = torch.ones(xr.addressable_runtime_device_count())
+      spec = xs.ShardingSpec(mesh, ('data',), minibatch=True)
+      self.flags = tuple(xm.send_cpu_data_to_device(local * flag, device, spec)[0]
+                         for flag in (0, 1))
+      self.sum = torch.sum
+      self.sum(self.flags[0]).item()  # Compiles the epoch end's vote before epoch 1 ends.
+    self.mesh, self.votes = mesh, collections.deque()
 
   def agreed_after_step(self):
     """True when every replica stops after this step; call it once per step."""
-    self.votes.append(xm.all_reduce(xm.REDUCE_SUM, self.flags[stop_requested()]))
+    self.votes.append(self.sum(self.flags[stop_requested()]))
     return len(self.votes) > self.LAG and self.votes.popleft().item() > 0
 
   def agreed_at_epoch_end(self):
     """True when any replica asked to stop during the last steps or since."""
-    pending = any(vote.item() > 0 for vote in self.votes)
+    pending = any(vote.item() > 0 for vote in self.votes) or stop_requested()
     self.votes.clear()
-    return xm.mesh_reduce('stop_request', pending or stop_requested(), any)
+    if self.mesh is not None:
+      return self.sum(self.flags[pending]).item() > 0
+    return xm.mesh_reduce('stop_request', pending, any)
 
 
 def ignore_stop_signals(worker_id=None):

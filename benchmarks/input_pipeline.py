@@ -9,7 +9,7 @@ and sends uint8. The shards: raw bytes and PNG as make_cifar_shards.py writes th
 (--format rgb, png), PPM as the Cloud TPU WebDataset tutorial writes them (webdataset's
 ShardWriter and PIL images). Prints a markdown table.
 
-  python benchmarks/input_pipeline.py            # 10,000 images, about 3 minutes
+  python benchmarks/input_pipeline.py            # 10,000 images, about 4 minutes
   python benchmarks/input_pipeline.py --quick    # 1,000 images, a smoke test
 
 --batch_size (128) is train_wds_cifar.py's flag.

@@ -12,7 +12,7 @@ markdown tables:
      takes to its first new step against a fresh run;
   5. the input pipeline table of benchmarks/input_pipeline.py.
 
-  python benchmarks/training.py            # about 7.5 minutes on 2 cores
+  python benchmarks/training.py            # about 14 minutes on 2 cores
   python benchmarks/training.py --quick    # a smoke test: tiny runs, same tables
 """
 
@@ -49,20 +49,22 @@ flags.DEFINE_integer('bench_batch_size', 16, 'Batch size of every run.')
 TRAIN_LINE = re.compile(r'^\| Training .* Step=(\d+) ', re.M)
 
 
-def start(script, args):
+def start(script, args, devices=None):
   env = dict(os.environ, PJRT_DEVICE=os.environ.get('PJRT_DEVICE', 'CPU'), PYTHONUNBUFFERED='1')
+  if devices:  # XLA:CPU devices, for the SPMD script.
+    env['CPU_NUM_DEVICES'] = str(devices)
   return subprocess.Popen([sys.executable, str(REPO / script), *map(str, args)], cwd=REPO,
                           env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                           start_new_session=True)
 
 
-def run(script, *args):
+def run(script, *args, devices=None):
   """(results dict, seconds from start to the first training line) of one run of a training
   script on XLA:CPU, as a user runs it."""
   with tempfile.TemporaryDirectory() as tmp:
     out = pathlib.Path(tmp, 'results.json')
     began, first = time.time(), None
-    proc = start(script, [*args, '--results_json', out])
+    proc = start(script, [*args, '--results_json', out], devices)
     for line in proc.stdout:
       if first is None and TRAIN_LINE.match(line):
         first = time.time() - began
@@ -167,19 +169,25 @@ def measure(tmp, quick):
               '--wds_testdir', test_pattern, '--testsize', 2 * batch + 3, '--num_steps', steps,
               '--num_workers', 2, '--batch_size', batch, '--test_set_batch_size', batch,
               '--num_epochs', epochs, '--log_steps', 10, '--ckpt_dir', tmp / 'ckpt']
+  fake = ['--fake_data', '--num_steps', steps, *common]
   runs = [
-      ('train_single_core.py', 'fake', ['--fake_data', '--num_steps', steps, *common]),
-      ('train_resnet_mp.py', 'fake', ['--fake_data', '--num_steps', steps, *common]),
+      ('train_single_core.py', 'fake', fake),
+      ('train_resnet_mp.py', 'fake', fake),
+      # Batch sizes are per device there: the same global batch on 1 or 4 devices.
+      ('train_resnet_spmd.py', 'fake, 1 device', fake),
+      ('train_resnet_spmd.py', 'fake, 4 devices', [*fake, '--batch_size', batch // 4,
+                                                   '--test_set_batch_size', batch // 4]),
       ('train_single_core.py', 'image folder', ['--datadir', folder, '--num_workers', 2, *common]),
       ('train_resnet_mp.py', 'image folder', ['--datadir', folder, '--num_workers', 2, *common]),
       # Checkpoints too (every epoch end and at step steps - 1), for the resume below.
       ('train_wds_cifar.py', 'shards, CIFAR stem', [*wds_args, '--ckpt_every_steps', steps - 1]),
   ]
-  if quick:  # The folder runs take the same path as the fake ones.
-    runs = [r for r in runs if r[1] != 'image folder']
+  if quick:  # A row of each loop: the folder runs take the same path as the fake ones.
+    runs = [r for r in runs if r[1] not in ('image folder', 'fake, 1 device')][1:]
   rows, first_step = [], {}
   for script, data, args in runs:
-    results, first_step[script] = run(script, *args)
+    devices = int(data.split()[-2]) if data.endswith(('device', 'devices')) else None
+    results, first_step[script] = run(script, *args, devices=devices)
     compiled = results['compilations_after_epoch']
     # Steady state: the epochs after the first (which compiles), averaged.
     rate, busy = (np.mean(results[k][1:]) for k in ('epoch_rates', 'epoch_device_busy'))

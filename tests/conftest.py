@@ -132,11 +132,11 @@ def finish(process, timeout=900):
   return process.returncode, output
 
 
-def run_and_signal(script, args, at_step, sig, group=True):
+def run_and_signal(script, args, at_step, sig, group=True, env=None):
   """Runs a script with --log_steps 1 and sends sig once it has printed at_step + 1 training
   lines: to its whole process group (as a VM going down does) or to the command's process
   only (`kill PID`). Returns (exit code, output)."""
-  process = start_script(script, *args)
+  process = start_script(script, *args, env=env)
   lines, steps = [], 0
   for line in process.stdout:
     lines.append(line)

@@ -394,27 +394,27 @@ def test_trains_on_the_tutorials_shards_over_http_to_high_accuracy(http_shards, 
       'train_wds_cifar.py', '--wds_traindir',
       http_shards + '/tutorial/train/cifar-train-{000000..000009}.tar', '--trainsize', 480,
       '--wds_testdir', http_shards + '/tutorial/val/cifar-val-{000000..000003}.tar',
-      '--testsize', 200, '--batch_size', 16, '--test_set_batch_size', 64, '--num_epochs', 3,
+      '--testsize', 200, '--batch_size', 16, '--test_set_batch_size', 64, '--num_epochs', 2,
       '--lr', 0.05, '--num_workers', 2, '--shuffle_buffer', 100, '--log_steps', 10,
       '--ckpt_dir', tmp_path / 'ckpt', '--results_json', tmp_path / 'r.json')
   assert result.returncode == 0, result.stderr[-3000:]
   results = read_json(tmp_path / 'r.json')
   assert results['max_accuracy'] >= 90, result.stdout
   assert results['eval_samples'] == 200  # 200 test samples in batches of 64: padded, counted once.
-  assert results['train_steps'] == 3 * 30
-  assert re.findall(r'Replica Train Samples=(\d+)', result.stdout) == ['480'] * 3
+  assert results['train_steps'] == 2 * 30
+  assert re.findall(r'Replica Train Samples=(\d+)', result.stdout) == ['480'] * 2
   # 30 corrupt samples an epoch (some read twice to fill the epoch): a few warnings, then counts.
   skipped = re.findall(r'^Epoch \d Replica 0: skipped (\d+) bad shards or samples$', result.stdout,
                        re.M)
-  assert len(skipped) == 3 and all(int(n) >= 25 for n in skipped), result.stdout
+  assert len(skipped) == 2 and all(int(n) >= 25 for n in skipped), result.stdout
   assert results['skipped_bad_data'] == sum(map(int, skipped))
   warnings = re.findall(r'^warning: sample \d{7} of \S+ has no readable ppm image', result.stderr, re.M)
-  assert 3 <= len(warnings) <= 3 * (wds_cifar.BadData.SHOWN + 1), result.stderr
-  assert re.search(r'^Epoch 3 train end .*, Reduced GlobalRate=\d+\.\d\d$', result.stdout, re.M)
+  assert 2 <= len(warnings) <= 2 * (wds_cifar.BadData.SHOWN + 1), result.stderr
+  assert re.search(r'^Epoch 2 train end .*, Reduced GlobalRate=\d+\.\d\d$', result.stdout, re.M)
   assert re.search(r'^Total train time: [\d.]+ s$', result.stdout, re.M)
   counts = results['compilations_after_epoch']
-  assert counts[0] == counts[1] == counts[2]
-  assert re.search(r'^Saved checkpoint \S+ckpt-00000090\.pt$', result.stdout, re.M)
+  assert counts[0] == counts[1]
+  assert re.search(r'^Saved checkpoint \S+ckpt-00000060\.pt$', result.stdout, re.M)
   best = torch.load(tmp_path / 'ckpt' / 'best.pt', weights_only=True)
   assert best['results']['final_accuracy'] == results['max_accuracy']
 
@@ -489,7 +489,7 @@ def test_killed_mid_save_and_stopped_run_ends_bitwise_equal(shards, tmp_path):
   args = ['--wds_traindir', shards / 'shards' / 'cifar-train-{000000..000009}.tar',
           '--trainsize', 480, '--wds_testdir', shards / 'shards' / 'cifar-test-{000000..000003}.tar',
           '--testsize', 200, '--batch_size', 8, '--test_set_batch_size', 16, '--num_epochs', 2,
-          '--num_steps', 5, '--num_workers', 3, '--shuffle_buffer', 40, '--log_steps', 1,
+          '--num_steps', 5, '--num_workers', 2, '--shuffle_buffer', 40, '--log_steps', 1,
           '--lr', 0.05, '--ckpt_every_steps', 2]
   reference = start_script('train_wds_cifar.py', *args, '--ckpt_dir', tmp_path / 'reference')
   ckpt_dir = tmp_path / 'ckpt'

@@ -1,0 +1,338 @@
+"""Data-parallel training of a torchvision classifier the SPMD way, on every XLA device of a
+host or pod, from ONE process per host.
+
+xr.use_spmd() makes the devices of all hosts one mesh; each batch is sharded over it along
+its first dimension ('data') and the model is replicated, so XLA compiles one program for
+all devices and inserts the gradient all-reduce itself: a plain optimizer.step(), and
+BatchNorm statistics over the global batch. Run the same command on every worker of a pod:
+each host loads only its part of each global batch. Data is an ImageNet-style folder
+(--datadir DIR with DIR/train/CLASS/*.jpg and DIR/val/CLASS/*.jpg) or constant fake batches
+(--fake_data). Without a TPU, CPU_NUM_DEVICES=4 gives four XLA:CPU devices.
+
+  python train_resnet_spmd.py --fake_data --model resnet18 --img_dim 32 \
+      --batch_size 16 --num_epochs 2 --num_steps 40 --log_steps 10
+
+With --ckpt_dir the run saves its whole state (process 0 writes) and, started again with
+the same command, goes on from the newest checkpoint exactly where it stopped. On SIGTERM
+(or Ctrl-C) on any host every host finishes the same step, saves and exits with code 75
+(130).
+"""
+
+import os
+import sys
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+import torch_xla
+import torch_xla.core.xla_model as xm
+import torch_xla.debug.metrics as met
+import torch_xla.debug.profiler as xp
+import torch_xla.distributed.parallel_loader as pl
+import torch_xla.distributed.spmd as xs
+import torch_xla.runtime as xr
+import torch_xla.test.test_utils as test_utils
+import torch_xla.utils.utils as xu
+import torchvision
+from absl import app, flags
+from torch.utils.tensorboard import SummaryWriter
+
+import utils
+
+FLAGS = flags.FLAGS
+flags.DEFINE_bool('fake_data', False, 'Train on constant fake batches instead of --datadir.')
+flags.DEFINE_string('datadir', None, 'ImageNet-style folder: DIR/train/CLASS/*.jpg, DIR/val/CLASS/*.jpg.')
+flags.DEFINE_string('model', 'resnet50', 'Any torchvision classification model, e.g. resnet18.')
+flags.DEFINE_integer('img_dim', 224, 'Image side in pixels; small values make CPU runs fast.', lower_bound=8)
+flags.DEFINE_integer('batch_size', 128, 'Training batch size per device (the global batch is this '
+                     'times the devices of all hosts).', lower_bound=1)
+flags.DEFINE_integer('test_set_batch_size', 64, 'Evaluation batch size per device.', lower_bound=1)
+flags.DEFINE_integer('num_epochs', 18, 'Number of epochs.', lower_bound=1)
+flags.DEFINE_integer('num_steps', None, 'Cap on training and evaluation steps per epoch.', lower_bound=1)
+flags.DEFINE_integer('log_steps', 20, 'Print a training line every this many steps.', lower_bound=1)
+flags.DEFINE_float('lr', None, 'Peak SGD learning rate (default: 0.5 for resnet50, else 0.1).',
+                   lower_bound=0.0)
+flags.DEFINE_enum('lr_scheduler_type', None, ['WarmupAndExponentialDecayScheduler', 'none'],
+                  'Default: WarmupAndExponentialDecayScheduler for resnet50, else none.')
+flags.DEFINE_float('lr_warmup_epochs', 0.9, 'Epochs of linear warm-up from 0.', lower_bound=0.0)
+flags.DEFINE_integer('lr_scheduler_divide_every_n_epochs', 20, 'LR division period.', lower_bound=1)
+flags.DEFINE_float('lr_scheduler_divisor', 5, 'What the LR is divided by.', lower_bound=1.0)
+flags.DEFINE_float('momentum', 0.9, 'SGD momentum.', lower_bound=0.0)
+flags.DEFINE_float('weight_decay', 1e-4, 'SGD weight decay.', lower_bound=0.0)
+flags.DEFINE_integer('seed', 42, 'Seed of the weights and of the data order.')
+flags.DEFINE_bool('drop_last', True, 'Drop the last partial training batch (its new shape '
+                  'would compile a new graph). Evaluation always counts every image.')
+flags.DEFINE_integer('num_workers', 8, 'DataLoader worker processes of each host.', lower_bound=0)
+flags.DEFINE_bool('persistent_workers', True, 'Keep DataLoader workers between epochs '
+                  '(--nopersistent_workers: start them anew each epoch).')
+flags.DEFINE_integer('prefetch_factor', None, 'Batches each loader worker loads ahead.', lower_bound=1)
+flags.DEFINE_integer('loader_prefetch_size', 8, 'Host batches MpDeviceLoader queues.', lower_bound=1)
+flags.DEFINE_integer('device_prefetch_size', 4, 'Device batches MpDeviceLoader queues.', lower_bound=1)
+flags.DEFINE_integer('host_to_device_transfer_threads', 1, 'Host-to-device copy threads.', lower_bound=1)
+flags.DEFINE_bool('bf16', False, 'Train in bfloat16: sets XLA_USE_BF16=1 before the runtime starts.')
+flags.DEFINE_float('target_accuracy', 0.0, 'Exit with code 21 if the final accuracy (%) is below it.')
+flags.DEFINE_string('logdir', None, 'TensorBoard folder for loss, rate, lr and accuracy (process 0).')
+flags.DEFINE_bool('metrics_debug', False, "Print torch_xla's metrics report after each epoch.")
+flags.DEFINE_bool('profile', False, 'Start the profiler server so TensorBoard can capture a trace.')
+flags.DEFINE_integer('profiler_port', 9012, 'Profiler server port.')
+flags.DEFINE_string('results_json', None, 'Write accuracy, rates and compile counts here at exit '
+                    '(process 0).')
+flags.DEFINE_string('ckpt_dir', None, 'Save checkpoints here and resume from the newest one when '
+                    'started again: a local path, or on a pod a URL every host reads (gs://...).')
+flags.DEFINE_integer('ckpt_every_steps', None, 'Also save every N steps, not only at epoch ends.',
+                     lower_bound=1)
+flags.DEFINE_integer('keep_checkpoints', 2, 'Checkpoints kept, besides best.pt.', lower_bound=1)
+flags.DEFINE_string('resume', None, 'Resume from this checkpoint instead of the newest in --ckpt_dir.')
+flags.register_validator('model', lambda name: name in torchvision.models.list_models(
+    torchvision.models), 'is not a torchvision classification model (e.g. resnet18, resnet50)')
+
+# Flags that may change between a run and its resumption without changing what it computes.
+RESTART_FLAGS = {'resume', 'ckpt_dir', 'ckpt_every_steps', 'keep_checkpoints', 'num_epochs',
+                 'log_steps', 'logdir', 'results_json', 'metrics_debug', 'profile',
+                 'profiler_port', 'target_accuracy', 'num_workers', 'persistent_workers',
+                 'prefetch_factor', 'loader_prefetch_size', 'device_prefetch_size',
+                 'host_to_device_transfer_threads'}
+FAKE_TRAIN_SAMPLES, FAKE_TEST_SAMPLES = 1_200_000, 50_000  # ImageNet's sizes, as upstream.
+FAKE_CLASSES = 1000
+# Upstream's tuned resnet50 recipe (for a global batch of 1024); other models get DEFAULTS.
+DEFAULTS = dict(lr=0.1, lr_scheduler_type='none')
+MODEL_DEFAULTS = {'resnet50': dict(lr=0.5, lr_scheduler_type='WarmupAndExponentialDecayScheduler')}
+
+
+def as_dict(samples):
+  """A batch as a dict: MpDeviceLoader shards each entry of a dict by its own spec."""
+  images, labels = torch.utils.data.default_collate(samples)
+  return dict(images=images, labels=labels)
+
+
+def load_data(cfg, host, hosts, local_devices):
+  """This host's part of every global batch (batch_size x its devices) of the train and
+  test sets, capped at --num_steps, and the class count. Every host gets the same number
+  of batches: host h loads samples h, h + hosts, ... of each epoch's order."""
+  cap = cfg.num_steps or sys.maxsize
+  batch_size, test_batch_size = cfg.batch_size * local_devices, cfg.test_set_batch_size * local_devices
+  if cfg.fake_data:
+    def fake(batch_size, samples):  # One constant batch: the run measures the devices alone.
+      batch = dict(images=torch.zeros(batch_size, 3, cfg.img_dim, cfg.img_dim),
+                   labels=torch.zeros(batch_size, dtype=torch.int64))
+      return utils.EpochLoader(xu.SampleGenerator(batch, samples // hosts // batch_size), cap)
+    return (fake(batch_size, FAKE_TRAIN_SAMPLES), fake(test_batch_size, FAKE_TEST_SAMPLES),
+            FAKE_CLASSES)
+  train_set = utils.image_folder(os.path.join(cfg.datadir, 'train'), cfg.img_dim, train=True)
+  test_set = utils.image_folder(os.path.join(cfg.datadir, 'val'), cfg.img_dim, train=False)
+  # The order is a function of (seed, epoch) and each image is cropped by its own seed, so a
+  # resumed run sees the very batches an uninterrupted one would.
+  sampler = utils.EpochSampler(train_set, host, hosts, cfg.seed, batch_size)
+  workers = dict(num_workers=cfg.num_workers, worker_init_fn=utils.ignore_stop_signals,
+                 collate_fn=as_dict)
+  if cfg.num_workers:  # torch 2.9 raises on these without workers.
+    workers.update(persistent_workers=cfg.persistent_workers, prefetch_factor=cfg.prefetch_factor)
+  train_loader = torch.utils.data.DataLoader(utils.SeededSamples(train_set), batch_size,
+                                             sampler=sampler, drop_last=cfg.drop_last, **workers)
+  if len(train_loader) == 0:
+    raise utils.UsageError(f'{len(train_set)} training images make no global batch of '
+                           f'{cfg.batch_size} x {local_devices * hosts} devices: lower '
+                           '--batch_size or pass --nodrop_last')
+  # Padded with label -1 (not counted) to whole batches: every batch has one shape.
+  test_set = utils.eval_share(test_set, host, hosts, test_batch_size,
+                              blank=torch.zeros(3, cfg.img_dim, cfg.img_dim))
+  test_loader = torch.utils.data.DataLoader(test_set, test_batch_size, **workers)
+  return (utils.EpochLoader(train_loader, cap, order=sampler), utils.EpochLoader(test_loader, cap),
+          len(train_set.classes))
+
+
+def start_run(cfg, num_classes, steps_per_epoch, mesh):
+  """Model, optimizer, LR schedule, log, stop vote and results, restored from the newest
+  checkpoint if there is one; run.epoch and run.step are where training goes on."""
+  device = torch_xla.device()  # One device that stands for the whole mesh.
+  # Replicated on every device; every host builds the same weights from the same seed.
+  model = utils.create_model(cfg.model, num_classes).to(device)
+  optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum,
+                              weight_decay=cfg.weight_decay)
+  scheduler = None
+  if cfg.lr_scheduler_type == 'WarmupAndExponentialDecayScheduler':
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: utils.warmup_step_decay(
+        step, steps_per_epoch, cfg.lr_warmup_epochs, cfg.lr_scheduler_divide_every_n_epochs,
+        cfg.lr_scheduler_divisor))
+  writer = SummaryWriter(cfg.logdir) if cfg.logdir and utils.is_master() else None
+  results = utils.new_results(cfg.model, world_size=xr.global_runtime_device_count(), spmd=True)
+  run = SimpleNamespace(cfg=cfg, model=model, optimizer=optimizer, scheduler=scheduler,
+                        log=utils.StepLog(device, writer), stop=utils.StopVote(device, mesh),
+                        results=results, epoch=1, step=0)
+  state = utils.resume(cfg.resume, cfg.ckpt_dir, (model, optimizer, scheduler), vars(cfg),
+                       RESTART_FLAGS)
+  if state is not None:
+    run.results, run.epoch, run.step = state['results'], state['epoch'], state['step']
+    print(f'Run already finished: {state["path"]} is the end of epoch {run.epoch - 1} '
+          f'(--num_epochs {cfg.num_epochs})' if run.epoch > cfg.num_epochs else
+          f'Resumed from {state["path"]} at epoch {run.epoch} step {run.step}', flush=True)
+  return run
+
+
+def train_step(model, optimizer, scheduler, images, labels):
+  optimizer.zero_grad()
+  loss = F.cross_entropy(model(images), labels)  # The mean over the global batch.
+  loss.backward()
+  # Not xm.optimizer_step: the compiler has already summed the gradients over the mesh.
+  optimizer.step()
+  if scheduler is not None:
+    scheduler.step()
+  return loss
+
+
+def train_one_epoch(run, loader, epoch, first_step):
+  """Trains the epoch from step first_step on; returns (steps run, whether to stop now)."""
+  cfg, results = run.cfg, run.results
+  tracker = xm.RateTracker()
+  run.model.train()
+  steps = 0
+  for step, batch in enumerate(loader, first_step):
+    with xp.StepTrace('train_step', step_num=step):  # Named steps in a profile; ends in a sync.
+      loss = train_step(run.model, run.optimizer, run.scheduler, batch['images'], batch['labels'])
+      tracker.add(cfg.batch_size * results['world_size'])
+      if step % cfg.log_steps == 0:
+        xm.add_step_closure(run.log.add, args=(epoch, step, results['train_steps'], loss, tracker,
+                                               run.optimizer.param_groups[0]['lr']))
+      stopping = run.stop.agreed_after_step()  # The same answer on every host.
+    steps += 1
+    results['train_steps'] += 1
+    if stopping:
+      return steps, True
+    if cfg.ckpt_dir and cfg.ckpt_every_steps and results['train_steps'] % cfg.ckpt_every_steps == 0:
+      save_checkpoint(run, epoch, step + 1)
+  return steps, False
+
+
+def evaluate(model, loader):
+  """(accuracy %, correct, total) over every image once; padding (label -1) is not counted."""
+  model.eval()
+  # Counted on the device and read once at the end: an .item() per step would sync. The
+  # sums over the sharded batch are over every device of every host.
+  counts = torch.zeros(2, dtype=torch.int64, device=torch_xla.device())
+  with torch.no_grad():
+    for batch in loader:
+      images, labels = batch['images'], batch['labels']
+      hits = (model(images).argmax(dim=1) == labels).sum()
+      counts += torch.stack([hits, (labels >= 0).sum()])
+  correct, total = counts.tolist()
+  return 100.0 * correct / max(total, 1), correct, total
+
+
+def save_checkpoint(run, epoch, step, best=False):
+  """Saves the whole training state after `step` steps of `epoch`; returns its path. Every
+  host calls it at the same step; process 0 writes."""
+  state = dict(model=run.model.state_dict(), optimizer=run.optimizer.state_dict(),
+               lr_scheduler=run.scheduler.state_dict() if run.scheduler else None, epoch=epoch,
+               step=step, global_step=run.results['train_steps'], flags=vars(run.cfg),
+               rng=dict(torch=torch.get_rng_state(), xla=xm.get_rng_state()), results=run.results)
+  return utils.save_checkpoint(state, run.cfg.ckpt_dir, run.cfg.keep_checkpoints, best)
+
+
+def stop_run(run, epoch, step):
+  """The end of a run stopped by SIGTERM or Ctrl-C at a step boundary: saves, says so."""
+  saved = save_checkpoint(run, epoch, step) if run.cfg.ckpt_dir else None
+  name, code = utils.record_stop(run.results)
+  print(f'Stopped by {name} at epoch {epoch} step {step}: ' +
+        (f'saved {saved}; run the same command to resume' if saved else
+         'nothing saved (no --ckpt_dir)') + f' (exit code {code})', flush=True)
+  return run.results
+
+
+def end_epoch(run, epoch, accuracy, counts):
+  """Adds an evaluated epoch to the results and saves it; returns whether to stop now."""
+  results = run.results
+  best = accuracy > results['max_accuracy']
+  results.update(epochs=epoch, final_accuracy=accuracy, eval_correct=counts[0],
+                 eval_samples=counts[1], max_accuracy=max(results['max_accuracy'], accuracy))
+  results['compilations_after_epoch'].append(utils.compile_count())
+  test_utils.write_to_summary(run.log.writer, epoch, {'Accuracy/test': accuracy})
+  if run.cfg.metrics_debug:
+    print(met.metrics_report(), flush=True)
+  if run.cfg.ckpt_dir:
+    save_checkpoint(run, epoch + 1, 0, best=best)
+  return run.stop.agreed_at_epoch_end()
+
+
+def train(cfg):
+  """The whole run of this host; returns the results dict that --results_json writes."""
+  torch.manual_seed(cfg.seed)
+  host, hosts, devices = xr.process_index(), xr.process_count(), xr.global_runtime_device_count()
+  local_devices = xr.addressable_runtime_device_count()
+  mesh = xs.Mesh(np.arange(devices), (devices,), ('data',))
+  train_loader, test_loader, num_classes = load_data(cfg, host, hosts, local_devices)
+  run = start_run(cfg, num_classes, train_loader.num_batches, mesh)
+  results, device = run.results, torch_xla.device()
+  # The server lives as long as this reference: keep it until training ends.
+  profiler = xp.start_server(cfg.profiler_port) if cfg.profile else None
+  # Each host's batch becomes its devices' rows of the global batch (minibatch=True).
+  sharding = dict(images=xs.ShardingSpec(mesh, ('data', None, None, None), minibatch=True),
+                  labels=xs.ShardingSpec(mesh, ('data',), minibatch=True))
+  prefetch = dict(loader_prefetch_size=cfg.loader_prefetch_size,
+                  device_prefetch_size=cfg.device_prefetch_size,
+                  host_to_device_transfer_threads=cfg.host_to_device_transfer_threads,
+                  input_sharding=sharding)
+  train_device_loader = pl.MpDeviceLoader(train_loader, device, **prefetch)
+  test_device_loader = pl.MpDeviceLoader(test_loader, device, **prefetch)
+  for epoch in range(run.epoch, cfg.num_epochs + 1):
+    first_step = run.step if epoch == run.epoch else 0
+    train_loader.set_epoch(epoch, first_step)  # Skips, on the host, what a resumed run trained.
+    print(f'Epoch {epoch} train begin {test_utils.now()}', flush=True)
+    start, executed = time.time(), utils.execute_seconds()
+    steps, stopped = train_one_epoch(run, train_device_loader, epoch, first_step)
+    train_loader.check()
+    xm.wait_device_ops()  # Time the device work, not just the tracing.
+    run.log.flush()  # Its lines before the epoch's.
+    seconds = time.time() - start
+    results['train_seconds'] += seconds
+    if stopped:
+      return stop_run(run, epoch, first_step + steps)
+    if steps:
+      results['epoch_device_busy'].append((utils.execute_seconds() - executed) / seconds)
+    print(f'Epoch {epoch} Host Train Samples={steps * cfg.batch_size * local_devices} '
+          f'Devices={local_devices} of {devices} Host={host}', flush=True)
+    rate = steps * cfg.batch_size * devices / seconds  # Every host runs every step.
+    results['epoch_rates'] += [rate] if steps else []
+    print(f'Epoch {epoch} train end {test_utils.now()}, Reduced GlobalRate={rate:.2f}', flush=True)
+    accuracy, *counts = evaluate(run.model, test_device_loader)
+    test_loader.check()
+    print(f'Epoch {epoch} test end {test_utils.now()}, Accuracy={accuracy:.2f}', flush=True)
+    if end_epoch(run, epoch, accuracy, counts):
+      return stop_run(run, epoch + 1, 0)
+  del profiler
+  return utils.finish_results(results, cfg.batch_size * devices, run.log.writer)
+
+
+def main(argv):
+  del argv
+  cfg = SimpleNamespace(**FLAGS.flag_values_dict())
+  for name, value in MODEL_DEFAULTS.get(cfg.model, DEFAULTS).items():
+    if getattr(cfg, name) is None:
+      setattr(cfg, name, value)
+  if cfg.bf16:
+    os.environ['XLA_USE_BF16'] = '1'  # Read when the runtime starts, which is still ahead.
+  # Before any XLA tensor or device exists: the runtime then makes every device one mesh.
+  xr.use_spmd()
+  # SIGTERM and Ctrl-C stop after a step (on every host: see StopVote); a second Ctrl-C ends
+  # the run at once.
+  with utils.run_watched(launcher=False):
+    try:
+      if not cfg.fake_data and not cfg.datadir:
+        raise utils.UsageError('give --datadir DIR (DIR/train/CLASS/*.jpg, DIR/val/CLASS/*.jpg) '
+                               'or --fake_data')
+      if not cfg.fake_data:
+        utils.check_image_folders(cfg.datadir, ('train', 'val'))
+      utils.check_outputs(cfg.ckpt_dir, cfg.logdir, cfg.results_json)
+      results = train(cfg)
+      if utils.is_master():
+        utils.write_results(cfg.results_json, results)
+    except (utils.UsageError, utils.BadDataError) as e:
+      utils.die(e)
+    finally:
+      utils.end_loader_workers()
+  sys.exit(utils.exit_code(results, cfg.target_accuracy))
+
+
+if __name__ == '__main__':
+  app.run(main, flags_parser=utils.parse_flags)
