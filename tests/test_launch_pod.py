@@ -1,0 +1,295 @@
+"""launch_pod.py over real ssh: an sshd of the test's own on 127.0.0.1 (a free port, a
+temporary host key and user key) serves two "workers", both this machine. Every process a
+run starts carries a marker (--env TEST_MARK=..., which the command's children inherit), so
+the process list shows whatever of it is left, on the "workers" as here."""
+
+import json
+import os
+import pathlib
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+
+from conftest import REPO, TRAIN_LINE
+
+import launch_pod
+
+
+def free_port():
+  with socket.socket() as s:
+    s.bind(('127.0.0.1', 0))
+    return s.getsockname()[1]
+
+
+@pytest.fixture(scope='module')
+def sshd(tmp_path_factory):
+  """The flags that reach two workers through a running sshd on 127.0.0.1."""
+  program = shutil.which('sshd') or '/usr/sbin/sshd'
+  if not os.path.exists(program):
+    pytest.fail('sshd not found: install openssh-server (.ci/run does)')
+  folder = tmp_path_factory.mktemp('sshd')
+  for key in ('host_key', 'user_key'):
+    subprocess.run(['ssh-keygen', '-q', '-t', 'ed25519', '-N', '', '-f', folder / key], check=True)
+  shutil.copy(folder / 'user_key.pub', folder / 'authorized_keys')
+  port = free_port()
+  (folder / 'sshd_config').write_text(
+      f'Port {port}\nListenAddress 127.0.0.1\nHostKey {folder}/host_key\n'
+      f'AuthorizedKeysFile {folder}/authorized_keys\nPidFile {folder}/sshd.pid\n'
+      'StrictModes no\nUsePAM no\nPasswordAuthentication no\nKbdInteractiveAuthentication no\n'
+      'PermitRootLogin prohibit-password\n')
+  if os.geteuid() == 0:
+    os.makedirs('/run/sshd', exist_ok=True)  # Its privilege-separation folder.
+  log = open(folder / 'sshd.log', 'wb')
+  server = subprocess.Popen([program, '-D', '-e', '-f', folder / 'sshd_config'], stderr=log)
+  for _ in range(100):
+    with socket.socket() as s:
+      if s.connect_ex(('127.0.0.1', port)) == 0:
+        break
+    time.sleep(0.1)
+  else:
+    pytest.fail(f'sshd did not start: {(folder / "sshd.log").read_text()}')
+  options = [f'IdentityFile={folder}/user_key', 'StrictHostKeyChecking=no',
+             'UserKnownHostsFile=/dev/null', 'LogLevel=ERROR']
+  yield dict(port=port, flags=[f'--ssh_option={o}' for o in options] +
+             [f'--hosts=ssh://127.0.0.1:{port},ssh://127.0.0.1:{port}'])
+  server.terminate()
+  server.wait()
+
+
+def start(sshd, *args, mark, hosts=None):
+  """Starts launch_pod.py in a session of its own (as a terminal starts a command)."""
+  flags = sshd['flags'][:-1] + [hosts or sshd['flags'][-1]]
+  command = [sys.executable, REPO / 'launch_pod.py', *flags, f'--env=TEST_MARK={mark}', *args]
+  return subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, bufsize=1, start_new_session=True)
+
+
+def launch(sshd, *args, mark='none'):
+  process = start(sshd, *args, mark=mark)
+  output, _ = process.communicate(timeout=300)
+  return process.returncode, output
+
+
+def wait_for(process, pattern, count=1):
+  """The output up to the count-th line that matches pattern."""
+  lines = []
+  for line in process.stdout:
+    lines.append(line)
+    if sum(bool(re.search(pattern, l)) for l in lines) >= count:
+      return ''.join(lines)
+  raise AssertionError(''.join(lines))
+
+
+def marked(mark):
+  """Pids of the processes whose command line or environment holds the mark."""
+  found = []
+  for pid in filter(str.isdigit, os.listdir('/proc')):
+    for part in ('cmdline', 'environ'):
+      try:
+        with open(f'/proc/{pid}/{part}', 'rb') as f:
+          if mark.encode() in f.read():
+            found.append(int(pid))
+            break
+      except OSError:
+        pass
+  return found
+
+
+def assert_nothing_left(mark, seconds=10):
+  for _ in range(seconds * 10):
+    if not marked(mark):
+      return
+    time.sleep(0.1)
+  raise AssertionError(f'processes of the run still alive: {marked(mark)}')
+
+
+def python(code):
+  return [sys.executable, '-c', code]
+
+
+def test_every_worker_runs_the_command_in_its_folder_with_env_and_named_lines(sshd, tmp_path):
+  code, out = launch(sshd, '--env=GREETING=a b', f'--workdir={tmp_path}',
+                     f'--log_dir={tmp_path}/logs', '--', *python(
+                         'import os, sys; print(os.environ["GREETING"], os.getcwd(), sys.argv[1:]);'
+                         'print("to stderr", file=sys.stderr)'), "it's", '"quoted" $HOME')
+  assert code == 0, out
+  for worker in (0, 1):
+    assert f'[worker {worker}] a b {tmp_path} ["it\'s", \'"quoted" $HOME\']\n' in out, out
+    assert f'[worker {worker}] to stderr\n' in out, out
+    log = (tmp_path / 'logs' / f'worker-{worker}.log').read_text()
+    assert log.splitlines()[1:] == [f'a b {tmp_path} ["it\'s", \'"quoted" $HOME\']',
+                                    'to stderr'], log
+  assert 'launch_pod: done on 2 workers' in out, out
+
+
+def test_a_failing_worker_stops_the_others_and_its_code_is_the_launchers(sshd, tmp_path):
+  mark = uuid.uuid4().hex
+  # The first worker to create the file fails; the other would wait forever, as a replica
+  # waits in a collective for one that is gone.
+  process = start(sshd, '--', *python(
+      f'import os, sys, time\ntry:\n  os.close(os.open("{tmp_path}/first", os.O_CREAT | os.O_EXCL))\n'
+      'except FileExistsError:\n  print("waiting", flush=True); time.sleep(600)\n'
+      'time.sleep(1); print("failing", flush=True); sys.exit(3)'), mark=mark)
+  output, _ = process.communicate(timeout=120)
+  assert process.returncode == 3, output
+  failing = re.search(r'^\[worker (\d)\] failing$', output, re.M).group(1)
+  assert re.search(rf'^launch_pod: worker {failing} \(ssh://127.0.0.1:\d+\) exited with code 3: '
+                   'stopping the others$', output, re.M), output
+  assert f'[worker {1 - int(failing)}] waiting' in output, output
+  assert_nothing_left(mark)
+
+
+def test_ctrl_c_stops_training_on_every_worker_with_a_checkpoint_and_exit_75(sshd, tmp_path):
+  mark = uuid.uuid4().hex
+  # Each worker its own checkpoint folder: both "workers" are this machine.
+  train = ('exec "$0" train_resnet_mp.py --fake_data --model resnet18 --img_dim 16 '
+           '--batch_size 4 --num_epochs 1 --num_steps 500 --log_steps 1 --num_workers 0 '
+           f'--ckpt_dir {tmp_path}/ckpt-$$')
+  process = start(sshd, '--env=PJRT_DEVICE=CPU', '--', 'sh', '-c', train, sys.executable, mark=mark)
+  lines = wait_for(process, r'^\[worker \d\] \| Training Device', count=4)
+  assert '[worker 0] | Training' in lines and '[worker 1] | Training' in lines, lines
+  os.killpg(process.pid, signal.SIGINT)  # What a terminal sends on Ctrl-C.
+  rest, _ = process.communicate(timeout=300)
+  out = lines + rest
+  assert process.returncode == 75, out
+  for worker in (0, 1):
+    assert re.search(rf'^\[worker {worker}\] Stopped by SIGTERM at epoch 1 step \d+: saved \S+; '
+                     r'run the same command to resume \(exit code 75\)$', out, re.M), out
+  assert len(list(tmp_path.glob('ckpt-*/ckpt-*.pt'))) == 2, out
+  assert 'launch_pod: stopped on every worker: run the same command to go on (exit code 75)' in out
+  assert 'Traceback' not in out, out
+  assert_nothing_left(mark)
+
+
+HOLD_ON = ('import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); '
+           'print("started", flush=True); time.sleep(600)')
+
+
+def test_a_second_ctrl_c_kills_at_once(sshd):
+  mark = uuid.uuid4().hex
+  process = start(sshd, '--grace_seconds=600', '--', *python(HOLD_ON), mark=mark)
+  out = wait_for(process, r'^\[worker \d\] started', count=2)
+  os.killpg(process.pid, signal.SIGINT)
+  out += wait_for(process, r'SIGTERM to the command on every worker')
+  os.killpg(process.pid, signal.SIGINT)
+  rest, _ = process.communicate(timeout=60)
+  assert process.returncode == 130, out + rest
+  assert 'launch_pod: SIGINT again: SIGKILL to the command on every worker' in rest, out + rest
+  assert_nothing_left(mark)
+
+
+def test_sigterm_to_the_launcher_kills_what_does_not_stop_within_the_grace_period(sshd):
+  mark = uuid.uuid4().hex
+  process = start(sshd, '--grace_seconds=1', '--', *python(HOLD_ON), mark=mark)
+  out = wait_for(process, r'^\[worker \d\] started', count=2)
+  process.terminate()  # `kill PID`: the launcher alone.
+  rest, _ = process.communicate(timeout=60)
+  assert process.returncode == 128 + signal.SIGKILL, out + rest
+  assert 'launch_pod: workers 0, 1 still running 1 s after SIGTERM: SIGKILL' in rest, out + rest
+  assert_nothing_left(mark)
+
+
+def test_a_killed_launcher_leaves_nothing_running(sshd, tmp_path):
+  mark = uuid.uuid4().hex
+  # Its command hears of it as of a stop: SIGTERM, which the training scripts save on.
+  process = start(sshd, '--grace_seconds=30', '--', *python(
+      'import os, signal, sys, time\n'
+      f'def stop(*_):\n  open("{tmp_path}/" + str(os.getpid()), "w").close(); sys.exit(75)\n'
+      'signal.signal(signal.SIGTERM, stop); print("started", flush=True); time.sleep(600)'),
+      mark=mark)
+  wait_for(process, r'^\[worker \d\] started', count=2)
+  process.kill()
+  process.wait()
+  assert_nothing_left(mark)
+  assert len(list(tmp_path.iterdir())) == 2  # Both stopped by SIGTERM, not killed.
+
+
+def test_an_unreachable_worker_ends_the_run_with_code_255(sshd, tmp_path):
+  mark = uuid.uuid4().hex
+  hosts = f'--hosts=ssh://127.0.0.1:{sshd["port"]},ssh://127.0.0.1:{free_port()}'
+  process = start(sshd, '--', *python(HOLD_ON), mark=mark, hosts=hosts)
+  output, _ = process.communicate(timeout=120)
+  assert process.returncode == 255, output
+  assert re.search(r'^launch_pod: worker 1 \(ssh://127.0.0.1:\d+\) exited with code 255 \(ssh '
+                   r'could not reach it or lost the connection\): stopping the others$',
+                   output, re.M), output
+  assert_nothing_left(mark)
+
+
+def test_kill_stale_ends_what_holds_the_tpu_first(sshd, tmp_path):
+  device = tmp_path / 'accel0'
+  device.touch()
+  holder = subprocess.Popen(python(f'f = open("{device}"); print("held", flush=True); '
+                                   'import time; time.sleep(600)'),
+                            stdout=subprocess.PIPE, text=True, start_new_session=True)
+  assert holder.stdout.readline() == 'held\n'
+  code, out = launch(sshd, '--kill_stale', f'--tpu_devices={tmp_path}/accel*', '--',
+                     *python('print("training")'))
+  assert code == 0, out
+  assert re.search(rf'^\[worker \d\] kill_stale: SIGTERM to process {holder.pid} \(\S+ -c f = '
+                   rf'open.*\), which holds {device}$', out, re.M), out
+  assert holder.wait(timeout=10) == -signal.SIGTERM
+  assert '[worker 0] training' in out and '[worker 1] training' in out, out
+
+
+def test_a_missing_workdir_names_the_worker_and_the_folder(sshd, tmp_path):
+  code, out = launch(sshd, f'--workdir={tmp_path}/nowhere', '--', 'true')
+  assert code == 1, out
+  assert re.search(rf'^\[worker \d\] cannot enter {tmp_path}/nowhere on this worker \(No such '
+                   r'file or directory\): put the code there, or give --workdir$', out, re.M), out
+  assert 'Traceback' not in out, out
+
+
+@pytest.mark.parametrize('args, line', [
+    (['--', 'true'], 'give the workers: --tpu NAME (with --zone) or --hosts HOST,HOST,...'),
+    (['--hosts=a', '--tpu=t', '--', 'true'], 'give the workers: --tpu NAME'),
+    (['--hosts=a,b'], 'give the command after --'),
+    (['--hosts=a', '--env=1X=2', '--', 'true'], "--env '1X=2' is not NAME=VALUE"),
+    (['--hosts=a', '--grace_seconds=-1', '--', 'true'], 'flag --grace_seconds=-1: '),
+    (['--hosts=a', '--log_dir=/dev/null', '--', 'true'], 'cannot write worker logs in --log_dir '
+                                                         '/dev/null (File exists): give a writable'),
+    (['--tpu=t', '--zone=z', '--', 'true'], 'gcloud not found: install the Google Cloud CLI'),
+])
+def test_bad_flags_are_one_line_and_exit_2(args, line):
+  env = dict(os.environ, PATH=os.path.dirname(sys.executable))  # No gcloud on it.
+  done = subprocess.run([sys.executable, REPO / 'launch_pod.py', *args], capture_output=True,
+                        text=True, env=env, timeout=60)
+  assert done.returncode == 2, done
+  assert done.stderr.startswith(f'error: {line}') and done.stderr.count('\n') == 1, done.stderr
+  assert not done.stdout
+
+
+DESCRIBE = {  # The fields of `gcloud compute tpus tpu-vm describe --format json` it reads.
+    'name': 'projects/p/locations/us-central2-b/nodes/pod', 'state': 'READY',
+    'acceleratorType': 'v4-16',
+    'networkEndpoints': [
+        {'ipAddress': '10.130.0.2', 'port': 8470, 'accessConfig': {'externalIp': '34.1.2.3'}},
+        {'ipAddress': '10.130.0.3', 'port': 8470, 'accessConfig': {'externalIp': '34.1.2.4'}}]}
+
+
+def test_tpu_workers_come_from_describe_and_are_reached_with_gcloud_ssh():
+  assert launch_pod.describe_command('pod', 'us-central2-b', 'p') == [
+      'gcloud', 'compute', 'tpus', 'tpu-vm', 'describe', 'pod', '--zone', 'us-central2-b',
+      '--project', 'p', '--format', 'json']
+  workers = launch_pod.tpu_workers(json.dumps(DESCRIBE), 'pod', 'us-central2-b', None, False,
+                                   ['IdentityFile=k'])
+  assert [str(w) for w in workers] == ['worker 0 (34.1.2.3)', 'worker 1 (34.1.2.4)']
+  assert workers[1].ssh == [
+      'gcloud', 'compute', 'tpus', 'tpu-vm', 'ssh', 'pod', '--zone', 'us-central2-b',
+      '--worker=1', '--quiet', '--ssh-flag=-o IdentityFile=k',
+      '--ssh-flag=-o ServerAliveInterval=15', '--ssh-flag=-o ServerAliveCountMax=4', '--command']
+  internal = launch_pod.tpu_workers(json.dumps(DESCRIBE), 'pod', None, None, True, [])
+  assert [w.address for w in internal] == ['10.130.0.2', '10.130.0.3']
+  assert internal[0].ssh[-2:] == ['--internal-ip', '--command']
+  assert '--zone' not in internal[0].ssh
+  for change, message in [({'state': 'CREATING'}, 'TPU pod is CREATING, not READY'),
+                          ({'networkEndpoints': []}, 'TPU pod lists no workers')]:
+    with pytest.raises(launch_pod.UsageError, match=message):
+      launch_pod.tpu_workers(json.dumps({**DESCRIBE, **change}), 'pod', 'z', None, False, [])
