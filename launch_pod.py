@@ -20,11 +20,13 @@ every worker saved: run the same command to go on; 130 a second Ctrl-C, killed a
 that failed (255: ssh could not reach it or lost it), which the launcher names.
 """
 
+import base64
 import json
 import os
 import queue
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -59,6 +61,7 @@ flags.DEFINE_list('tpu_devices', ['/dev/accel*', '/dev/vfio/*'],
 STOPPED = 75  # The training scripts' code for "stopped by SIGTERM, saved: run again to go on".
 INTERRUPTED = 130
 HINTS = {255: 'ssh could not reach it or lost the connection',
+         75: 'stopped by SIGTERM and saved: maintenance or preemption',
          127: 'command not found there (the command, or python3 for the watcher)'}
 SSH_DEFAULTS = ['BatchMode=yes', 'ConnectTimeout=30', 'ServerAliveInterval=15',
                 'ServerAliveCountMax=4']  # A worker that goes silent ends its ssh in a minute.
@@ -73,21 +76,27 @@ def holders(paths):
   found = {}
   for pid in filter(str.isdigit, os.listdir('/proc')):
     try:
-      for fd in os.listdir(f'/proc/{pid}/fd'):
-        target = os.readlink(f'/proc/{pid}/fd/{fd}')
-        if target in paths and int(pid) != os.getpid():
-          found[int(pid)] = target
+      fds = os.listdir(f'/proc/{pid}/fd')
     except OSError:  # Gone, or another user's.
-      pass
+      continue
+    for fd in fds:
+      try:
+        if os.readlink(f'/proc/{pid}/fd/{fd}') in paths and int(pid) != os.getpid():
+          found[int(pid)] = os.readlink(f'/proc/{pid}/fd/{fd}')
+      except OSError:
+        pass
   return found
 
 def end_stale(paths):
   for sig in (signal.SIGTERM, signal.SIGKILL):
     for pid, device in holders(paths).items():
-      with open(f'/proc/{pid}/cmdline', 'rb') as f:
-        name = f.read().replace(b'\0', b' ').decode(errors='replace').strip()[:80]
-      print(f'kill_stale: {sig.name} to process {pid} ({name}), which holds {device}', flush=True)
-      os.kill(pid, sig)
+      try:  # It may end meanwhile (the children of one that did).
+        with open(f'/proc/{pid}/cmdline', 'rb') as f:
+          name = f.read().replace(b'\0', b' ').decode(errors='replace').strip()[:80]
+        os.kill(pid, sig)
+        print(f'kill_stale: {sig.name} to process {pid} ({name}), which held {device}', flush=True)
+      except OSError:
+        pass
     for _ in range(50):
       if not holders(paths):
         return
@@ -134,8 +143,8 @@ output = threading.Thread(target=relay)
 output.start()
 code = job.wait()
 signal_job(signal.SIGKILL)  # What the command left behind ends with it.
-output.join()
-sys.exit(code if code >= 0 else 128 - code)
+output.join(timeout=5)  # Unless a process that left the group holds the output open.
+os._exit(code if code >= 0 else 128 - code)
 '''
 
 
@@ -162,19 +171,26 @@ class Worker:
 
   def _print(self, log, lock, events):
     prefix = f'[worker {self.index}] '.encode()
-    for line in self.process.stdout:
-      line = line if line.endswith(b'\n') else line + b'\n'
-      with lock:
+    try:
+      for line in self.process.stdout:
+        line = line if line.endswith(b'\n') else line + b'\n'
+        with lock:
+          try:
+            sys.stdout.buffer.write(prefix + line)
+            sys.stdout.flush()
+          except OSError:  # Our output is gone (a closed pipe): the workers go on.
+            pass
         try:
-          sys.stdout.buffer.write(prefix + line)
-          sys.stdout.flush()
-        except OSError:  # Our output is gone (a closed pipe): the workers go on.
-          pass
-      if log:
-        log.write(line)
-        log.flush()
-    self.code = self.process.wait()
-    events.put(self)
+          if log:
+            log.write(line)
+            log.flush()
+        except OSError as e:  # A full disk: the run goes on, printed only.
+          say(f'cannot write {log.name} ({e.strerror}): worker {self.index} no longer logged')
+          log = None
+    finally:
+      code = self.process.wait()
+      self.code = code if code >= 0 else 128 - code  # Its ssh killed by signal -code.
+      events.put(self)
 
   def order(self, signal_name):
     try:
@@ -220,6 +236,13 @@ def tpu_workers(describe_output, tpu, zone, project, internal_ip, ssh_options):
   return workers
 
 
+def check_gcloud_key():
+  # N gclouds started at once would each try to create and propagate it.
+  if not os.path.exists(os.path.expanduser('~/.ssh/google_compute_engine')):
+    raise UsageError('no gcloud ssh key yet (~/.ssh/google_compute_engine): run gcloud compute '
+                     'tpus tpu-vm ssh NAME --zone ZONE --worker=all --command true once first')
+
+
 def describe(tpu, zone, project):
   try:
     done = subprocess.run(describe_command(tpu, zone, project), capture_output=True, text=True,
@@ -234,12 +257,18 @@ def describe(tpu, zone, project):
 
 
 def host_workers(hosts, ssh_options):
+  if not all(hosts):
+    raise UsageError(f'--hosts {",".join(hosts)} has an empty name')
+  if not shutil.which('ssh'):
+    raise UsageError('ssh not found: install the OpenSSH client')
   options = [arg for option in ssh_options + SSH_DEFAULTS for arg in ('-o', option)]
   return [Worker(index, host, ['ssh'] + options + [host]) for index, host in enumerate(hosts)]
 
 
 def remote_command(workdir, grace, devices, env, command):
-  watcher = ['python3', '-c', WATCHER, workdir, str(grace), ','.join(devices), *env, '--', *command]
+  # One line, in base64: any login shell (csh too) passes it on unchanged.
+  code = f'import base64; exec(base64.b64decode("{base64.b64encode(WATCHER.encode()).decode()}"))'
+  watcher = ['python3', '-c', code, workdir, str(grace), ','.join(devices), *env, '--', *command]
   return 'exec ' + shlex.join(watcher)
 
 
@@ -270,7 +299,10 @@ def open_logs(log_dir, count, command):
 
 
 def say(message):
-  print(f'launch_pod: {message}', file=sys.stderr, flush=True)
+  try:
+    print(f'launch_pod: {message}', file=sys.stderr, flush=True)
+  except OSError:  # A closed terminal or pipe: the workers matter more than the message.
+    pass
 
 
 def names(workers):
@@ -291,8 +323,7 @@ def run(workers, remote, logs, grace):
     now = time.monotonic()
     if kill_at and now >= kill_at:
       say(f'workers {names(running)} still running {grace:g} s after SIGTERM: SIGKILL')
-      for worker in running:
-        worker.order('SIGKILL')
+      order(running, 'SIGKILL')
       kill_at, end_ssh_at = None, now + 10
     if end_ssh_at and now >= end_ssh_at:  # Orders no longer arrive: cut the connections.
       for worker in running:
@@ -308,37 +339,44 @@ def run(workers, remote, logs, grace):
         failed = event
         hint = f' ({HINTS[event.code]})' if event.code in HINTS else ''
         say(f'{event} exited with code {event.code}{hint}: stopping the others')
-    elif stop_at:  # A second Ctrl-C, or any signal while a stop is underway: no waiting.
-      say(f'{signal.Signals(event).name} again: SIGKILL to the command on every worker')
-      for worker in running:
-        worker.order('SIGKILL')
+    elif stop_at and event == signal.SIGINT:  # Ctrl-C during a stop: no more waiting.
+      say('SIGINT during the stop: SIGKILL to the command on every worker')
+      order(running, 'SIGKILL')
       at_once, kill_at, end_ssh_at = True, None, now + 5
+    elif stop_at:
+      say(f'{signal.Signals(event).name}: already stopping (Ctrl-C: SIGKILL at once)')
     else:
       signalled = event
       say(f'{signal.Signals(event).name}: SIGTERM to the command on every worker, SIGKILL in '
           f'{grace:g} s (Ctrl-C again: at once)')
     if (failed or signalled) and not stop_at:
-      for worker in running:
-        worker.order('SIGTERM')
+      order(running, 'SIGTERM')
       stop_at, kill_at = now, now + grace
-  return outcome(workers, failed, signalled, at_once)
+  return outcome(workers, failed, at_once)
 
 
-def outcome(workers, failed, signalled, at_once):
+def order(workers, signal_name):
+  for worker in workers:
+    worker.order(signal_name)
+
+
+def outcome(workers, failed, at_once):
+  """The launcher's exit code, said in a line. A worker's own 75 (its VM's maintenance or
+  preemption) is a stop like the launcher's."""
   if at_once:
-    say(f'killed at once (exit code {failed.code if failed else INTERRUPTED})')
-    return failed.code if failed else INTERRUPTED
-  if failed:
+    code = failed.code if failed and failed.code != STOPPED else INTERRUPTED
+    say(f'killed at once (exit code {code})')
+    return code
+  if failed and failed.code != STOPPED:
     say(f'{failed} failed with exit code {failed.code}; every worker has ended')
     return failed.code
-  if signalled:
-    for worker in workers:
-      if worker.code not in (0, STOPPED):
-        say(f'{worker} exited with code {worker.code} after the stop')
-        return worker.code
-    if any(worker.code == STOPPED for worker in workers):
-      say(f'stopped on every worker: run the same command to go on (exit code {STOPPED})')
-      return STOPPED
+  for worker in workers:
+    if worker.code not in (0, STOPPED):
+      say(f'{worker} exited with code {worker.code} after the stop')
+      return worker.code
+  if any(worker.code == STOPPED for worker in workers):
+    say(f'stopped on every worker: run the same command to go on (exit code {STOPPED})')
+    return STOPPED
   say(f'done on {len(workers)} workers')
   return 0
 
@@ -348,8 +386,14 @@ def main(argv):
   try:
     check_flags(command)
     if FLAGS.tpu:
-      workers = tpu_workers(describe(FLAGS.tpu, FLAGS.zone, FLAGS.project), FLAGS.tpu,
-                            FLAGS.zone, FLAGS.project, FLAGS.internal_ip, FLAGS.ssh_option)
+      try:
+        output = describe(FLAGS.tpu, FLAGS.zone, FLAGS.project)
+      except KeyboardInterrupt:
+        say(f'Ctrl-C while describing {FLAGS.tpu}: nothing started')
+        return INTERRUPTED
+      check_gcloud_key()
+      workers = tpu_workers(output, FLAGS.tpu, FLAGS.zone, FLAGS.project, FLAGS.internal_ip,
+                            FLAGS.ssh_option)
     else:
       workers = host_workers(FLAGS.hosts, FLAGS.ssh_option)
     logs = open_logs(FLAGS.log_dir, len(workers), command)

@@ -5,19 +5,19 @@ the process list shows whatever of it is left, on the "workers" as here."""
 
 import json
 import os
-import pathlib
 import re
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 
 import pytest
 
-from conftest import REPO, TRAIN_LINE
+from conftest import REPO
 
 import launch_pod
 
@@ -38,21 +38,12 @@ def sshd(tmp_path_factory):
   for key in ('host_key', 'user_key'):
     subprocess.run(['ssh-keygen', '-q', '-t', 'ed25519', '-N', '', '-f', folder / key], check=True)
   shutil.copy(folder / 'user_key.pub', folder / 'authorized_keys')
-  port = free_port()
-  (folder / 'sshd_config').write_text(
-      f'Port {port}\nListenAddress 127.0.0.1\nHostKey {folder}/host_key\n'
-      f'AuthorizedKeysFile {folder}/authorized_keys\nPidFile {folder}/sshd.pid\n'
-      'StrictModes no\nUsePAM no\nPasswordAuthentication no\nKbdInteractiveAuthentication no\n'
-      'PermitRootLogin prohibit-password\n')
   if os.geteuid() == 0:
     os.makedirs('/run/sshd', exist_ok=True)  # Its privilege-separation folder.
-  log = open(folder / 'sshd.log', 'wb')
-  server = subprocess.Popen([program, '-D', '-e', '-f', folder / 'sshd_config'], stderr=log)
-  for _ in range(100):
-    with socket.socket() as s:
-      if s.connect_ex(('127.0.0.1', port)) == 0:
-        break
-    time.sleep(0.1)
+  for _ in range(5):  # Another program may take the free port first.
+    port, server = start_sshd(program, folder)
+    if server:
+      break
   else:
     pytest.fail(f'sshd did not start: {(folder / "sshd.log").read_text()}')
   options = [f'IdentityFile={folder}/user_key', 'StrictHostKeyChecking=no',
@@ -63,15 +54,48 @@ def sshd(tmp_path_factory):
   server.wait()
 
 
+def start_sshd(program, folder):
+  """(port, server), or (port, None) if it exited (its port taken)."""
+  port = free_port()
+  (folder / 'sshd_config').write_text(
+      f'Port {port}\nListenAddress 127.0.0.1\nHostKey {folder}/host_key\n'
+      f'AuthorizedKeysFile {folder}/authorized_keys\nPidFile {folder}/sshd.pid\n'
+      'StrictModes no\nUsePAM no\nPasswordAuthentication no\nKbdInteractiveAuthentication no\n'
+      'PermitRootLogin prohibit-password\n')
+  with open(folder / 'sshd.log', 'wb') as log:
+    server = subprocess.Popen([program, '-D', '-e', '-f', folder / 'sshd_config'], stderr=log)
+  while server.poll() is None:
+    with socket.socket() as s:
+      if s.connect_ex(('127.0.0.1', port)) == 0 and b'listening' in (folder / 'sshd.log').read_bytes():
+        return port, server
+    time.sleep(0.1)
+  return port, None
+
+
+@pytest.fixture
+def mark():
+  """A marker for the processes of one test's run; what is left of them is killed after it."""
+  mark = uuid.uuid4().hex
+  yield mark
+  for pid in marked(mark):
+    try:
+      os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+      pass
+
+
 def start(sshd, *args, mark, hosts=None):
   """Starts launch_pod.py in a session of its own (as a terminal starts a command)."""
   flags = sshd['flags'][:-1] + [hosts or sshd['flags'][-1]]
   command = [sys.executable, REPO / 'launch_pod.py', *flags, f'--env=TEST_MARK={mark}', *args]
-  return subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True, bufsize=1, start_new_session=True)
+  process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True, bufsize=1, start_new_session=True)
+  # A launcher that hangs ends the test (its output closes) instead of the suite.
+  threading.Timer(300, lambda: process.poll() is None and os.killpg(process.pid, 9)).start()
+  return process
 
 
-def launch(sshd, *args, mark='none'):
+def launch(sshd, *args, mark):
   process = start(sshd, *args, mark=mark)
   output, _ = process.communicate(timeout=300)
   return process.returncode, output
@@ -114,11 +138,13 @@ def python(code):
   return [sys.executable, '-c', code]
 
 
-def test_every_worker_runs_the_command_in_its_folder_with_env_and_named_lines(sshd, tmp_path):
+def test_every_worker_runs_the_command_in_its_folder_with_env_and_named_lines(sshd, tmp_path, mark):
   code, out = launch(sshd, '--env=GREETING=a b', f'--workdir={tmp_path}',
                      f'--log_dir={tmp_path}/logs', '--', *python(
-                         'import os, sys; print(os.environ["GREETING"], os.getcwd(), sys.argv[1:]);'
-                         'print("to stderr", file=sys.stderr)'), "it's", '"quoted" $HOME')
+                         'import os, subprocess, sys; print(os.environ["GREETING"], os.getcwd(), '
+                         'sys.argv[1:]); print("to stderr", file=sys.stderr);'
+                         'subprocess.Popen(["sleep", "600"])'),  # Left behind: must not stay.
+                     "it's", '"quoted" $HOME', mark=mark)
   assert code == 0, out
   for worker in (0, 1):
     assert f'[worker {worker}] a b {tmp_path} ["it\'s", \'"quoted" $HOME\']\n' in out, out
@@ -127,27 +153,34 @@ def test_every_worker_runs_the_command_in_its_folder_with_env_and_named_lines(ss
     assert log.splitlines()[1:] == [f'a b {tmp_path} ["it\'s", \'"quoted" $HOME\']',
                                     'to stderr'], log
   assert 'launch_pod: done on 2 workers' in out, out
-
-
-def test_a_failing_worker_stops_the_others_and_its_code_is_the_launchers(sshd, tmp_path):
-  mark = uuid.uuid4().hex
-  # The first worker to create the file fails; the other would wait forever, as a replica
-  # waits in a collective for one that is gone.
-  process = start(sshd, '--', *python(
-      f'import os, sys, time\ntry:\n  os.close(os.open("{tmp_path}/first", os.O_CREAT | os.O_EXCL))\n'
-      'except FileExistsError:\n  print("waiting", flush=True); time.sleep(600)\n'
-      'time.sleep(1); print("failing", flush=True); sys.exit(3)'), mark=mark)
-  output, _ = process.communicate(timeout=120)
-  assert process.returncode == 3, output
-  failing = re.search(r'^\[worker (\d)\] failing$', output, re.M).group(1)
-  assert re.search(rf'^launch_pod: worker {failing} \(ssh://127.0.0.1:\d+\) exited with code 3: '
-                   'stopping the others$', output, re.M), output
-  assert f'[worker {1 - int(failing)}] waiting' in output, output
   assert_nothing_left(mark)
 
 
-def test_ctrl_c_stops_training_on_every_worker_with_a_checkpoint_and_exit_75(sshd, tmp_path):
-  mark = uuid.uuid4().hex
+@pytest.mark.parametrize('code, last_line', [
+    (3, r'worker \d \(\S+\) failed with exit code 3; every worker has ended'),
+    (75, r'stopped on every worker: run the same command to go on \(exit code 75\)')])
+def test_a_failing_or_preempted_worker_stops_the_others(sshd, tmp_path, mark, code, last_line):
+  # The first worker to create the file ends with the code (75: a training script stopped by
+  # its VM's SIGTERM); the other would wait forever, as a replica waits in a collective for
+  # one that is gone, but saves and exits 75 on SIGTERM.
+  process = start(sshd, '--', *python(
+      'import os, signal, sys, time\n'
+      'signal.signal(signal.SIGTERM, lambda *_: sys.exit(75))\n'
+      f'try:\n  os.close(os.open("{tmp_path}/first", os.O_CREAT | os.O_EXCL))\n'
+      'except FileExistsError:\n  print("waiting", flush=True); time.sleep(600)\n'
+      f'time.sleep(1); print("ending", flush=True); sys.exit({code})'), mark=mark)
+  output, _ = process.communicate(timeout=120)
+  assert process.returncode == code, output
+  first = re.search(r'^\[worker (\d)\] ending$', output, re.M).group(1)
+  assert re.search(rf'^launch_pod: worker {first} \(ssh://127.0.0.1:\d+\) exited with code '
+                   rf'{code}( \(.*\))?: stopping the others$', output, re.M), output
+  assert f'[worker {1 - int(first)}] waiting' in output, output
+  assert re.search(rf'^launch_pod: {last_line}$', output, re.M), output
+  assert_nothing_left(mark)
+
+
+def test_ctrl_c_stops_training_on_every_worker_with_a_checkpoint_and_exit_75(sshd, tmp_path,
+                                                                             mark):
   # Each worker its own checkpoint folder: both "workers" are this machine.
   train = ('exec "$0" train_resnet_mp.py --fake_data --model resnet18 --img_dim 16 '
            '--batch_size 4 --num_epochs 1 --num_steps 500 --log_steps 1 --num_workers 0 '
@@ -172,8 +205,7 @@ HOLD_ON = ('import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); 
            'print("started", flush=True); time.sleep(600)')
 
 
-def test_a_second_ctrl_c_kills_at_once(sshd):
-  mark = uuid.uuid4().hex
+def test_a_second_ctrl_c_kills_at_once(sshd, mark):
   process = start(sshd, '--grace_seconds=600', '--', *python(HOLD_ON), mark=mark)
   out = wait_for(process, r'^\[worker \d\] started', count=2)
   os.killpg(process.pid, signal.SIGINT)
@@ -181,41 +213,45 @@ def test_a_second_ctrl_c_kills_at_once(sshd):
   os.killpg(process.pid, signal.SIGINT)
   rest, _ = process.communicate(timeout=60)
   assert process.returncode == 130, out + rest
-  assert 'launch_pod: SIGINT again: SIGKILL to the command on every worker' in rest, out + rest
+  assert 'launch_pod: SIGINT during the stop: SIGKILL to the command on every worker' in rest, \
+      out + rest
   assert_nothing_left(mark)
 
 
-def test_sigterm_to_the_launcher_kills_what_does_not_stop_within_the_grace_period(sshd):
-  mark = uuid.uuid4().hex
+def test_sigterm_to_the_launcher_kills_what_does_not_stop_within_the_grace_period(sshd, mark):
   process = start(sshd, '--grace_seconds=1', '--', *python(HOLD_ON), mark=mark)
   out = wait_for(process, r'^\[worker \d\] started', count=2)
   process.terminate()  # `kill PID`: the launcher alone.
+  time.sleep(0.2)
+  process.terminate()  # Again (a supervisor that repeats it): the grace period still holds.
   rest, _ = process.communicate(timeout=60)
+  assert 'launch_pod: SIGTERM: already stopping (Ctrl-C: SIGKILL at once)' in rest, out + rest
   assert process.returncode == 128 + signal.SIGKILL, out + rest
   assert 'launch_pod: workers 0, 1 still running 1 s after SIGTERM: SIGKILL' in rest, out + rest
   assert_nothing_left(mark)
 
 
-def test_a_killed_launcher_leaves_nothing_running(sshd, tmp_path):
-  mark = uuid.uuid4().hex
-  # Its command hears of it as of a stop: SIGTERM, which the training scripts save on.
-  process = start(sshd, '--grace_seconds=30', '--', *python(
-      'import os, signal, sys, time\n'
-      f'def stop(*_):\n  open("{tmp_path}/" + str(os.getpid()), "w").close(); sys.exit(75)\n'
-      'signal.signal(signal.SIGTERM, stop); print("started", flush=True); time.sleep(600)'),
-      mark=mark)
+def test_a_killed_launcher_leaves_nothing_running(sshd, tmp_path, mark):
+  # Its command hears of it as of a stop: SIGTERM, which the training scripts save on, and
+  # SIGKILL after the grace period (this one notes the SIGTERM and goes on).
+  process = start(sshd, '--grace_seconds=2', '--', *python(
+      'import os, signal, time\n'
+      f'def note(*_):\n  open("{tmp_path}/" + str(os.getpid()), "w").close()\n'
+      'signal.signal(signal.SIGTERM, note); print("started", flush=True)\n'
+      'while True: time.sleep(1)'), mark=mark)
   wait_for(process, r'^\[worker \d\] started', count=2)
   process.kill()
   process.wait()
   assert_nothing_left(mark)
-  assert len(list(tmp_path.iterdir())) == 2  # Both stopped by SIGTERM, not killed.
+  assert len(list(tmp_path.iterdir())) == 2  # Both had SIGTERM first.
 
 
-def test_an_unreachable_worker_ends_the_run_with_code_255(sshd, tmp_path):
-  mark = uuid.uuid4().hex
-  hosts = f'--hosts=ssh://127.0.0.1:{sshd["port"]},ssh://127.0.0.1:{free_port()}'
-  process = start(sshd, '--', *python(HOLD_ON), mark=mark, hosts=hosts)
-  output, _ = process.communicate(timeout=120)
+def test_an_unreachable_worker_ends_the_run_with_code_255(sshd, mark):
+  with socket.socket() as closed:  # Bound, not listening: connections to it are refused.
+    closed.bind(('127.0.0.1', 0))
+    hosts = f'--hosts=ssh://127.0.0.1:{sshd["port"]},ssh://127.0.0.1:{closed.getsockname()[1]}'
+    process = start(sshd, '--', *python('import time; time.sleep(600)'), mark=mark, hosts=hosts)
+    output, _ = process.communicate(timeout=120)
   assert process.returncode == 255, output
   assert re.search(r'^launch_pod: worker 1 \(ssh://127.0.0.1:\d+\) exited with code 255 \(ssh '
                    r'could not reach it or lost the connection\): stopping the others$',
@@ -223,24 +259,27 @@ def test_an_unreachable_worker_ends_the_run_with_code_255(sshd, tmp_path):
   assert_nothing_left(mark)
 
 
-def test_kill_stale_ends_what_holds_the_tpu_first(sshd, tmp_path):
+def test_kill_stale_ends_what_holds_the_tpu_first(sshd, tmp_path, mark):
   device = tmp_path / 'accel0'
   device.touch()
   holder = subprocess.Popen(python(f'f = open("{device}"); print("held", flush=True); '
                                    'import time; time.sleep(600)'),
                             stdout=subprocess.PIPE, text=True, start_new_session=True)
   assert holder.stdout.readline() == 'held\n'
+  ended = []  # Reaped at once, as a stale process is: gone from /proc while both workers look.
+  threading.Thread(target=lambda: ended.append(holder.wait())).start()
   code, out = launch(sshd, '--kill_stale', f'--tpu_devices={tmp_path}/accel*', '--',
-                     *python('print("training")'))
+                     *python('print("training")'), mark=mark)
   assert code == 0, out
   assert re.search(rf'^\[worker \d\] kill_stale: SIGTERM to process {holder.pid} \(\S+ -c f = '
-                   rf'open.*\), which holds {device}$', out, re.M), out
-  assert holder.wait(timeout=10) == -signal.SIGTERM
+                   rf'open.*\), which held {device}$', out, re.M), out
+  holder.wait(timeout=10)
+  assert ended == [-signal.SIGTERM]
   assert '[worker 0] training' in out and '[worker 1] training' in out, out
 
 
-def test_a_missing_workdir_names_the_worker_and_the_folder(sshd, tmp_path):
-  code, out = launch(sshd, f'--workdir={tmp_path}/nowhere', '--', 'true')
+def test_a_missing_workdir_names_the_worker_and_the_folder(sshd, tmp_path, mark):
+  code, out = launch(sshd, f'--workdir={tmp_path}/nowhere', '--', 'true', mark=mark)
   assert code == 1, out
   assert re.search(rf'^\[worker \d\] cannot enter {tmp_path}/nowhere on this worker \(No such '
                    r'file or directory\): put the code there, or give --workdir$', out, re.M), out
@@ -252,15 +291,18 @@ def test_a_missing_workdir_names_the_worker_and_the_folder(sshd, tmp_path):
     (['--hosts=a', '--tpu=t', '--', 'true'], 'give the workers: --tpu NAME'),
     (['--hosts=a,b'], 'give the command after --'),
     (['--hosts=a', '--env=1X=2', '--', 'true'], "--env '1X=2' is not NAME=VALUE"),
+    (['--hosts=a,,b', '--', 'true'], '--hosts a,,b has an empty name'),
     (['--hosts=a', '--grace_seconds=-1', '--', 'true'], 'flag --grace_seconds=-1: '),
     (['--hosts=a', '--log_dir=/dev/null', '--', 'true'], 'cannot write worker logs in --log_dir '
                                                          '/dev/null (File exists): give a writable'),
+    # A PATH without them:
     (['--tpu=t', '--zone=z', '--', 'true'], 'gcloud not found: install the Google Cloud CLI'),
+    (['--hosts=a', '--', 'true'], 'ssh not found: install the OpenSSH client'),
 ])
 def test_bad_flags_are_one_line_and_exit_2(args, line):
-  env = dict(os.environ, PATH=os.path.dirname(sys.executable))  # No gcloud on it.
+  path = os.path.dirname(sys.executable) if 'not found' in line else os.environ['PATH']
   done = subprocess.run([sys.executable, REPO / 'launch_pod.py', *args], capture_output=True,
-                        text=True, env=env, timeout=60)
+                        text=True, env=dict(os.environ, PATH=path), timeout=60)
   assert done.returncode == 2, done
   assert done.stderr.startswith(f'error: {line}') and done.stderr.count('\n') == 1, done.stderr
   assert not done.stdout
