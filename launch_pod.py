@@ -60,6 +60,7 @@ flags.DEFINE_list('tpu_devices', ['/dev/accel*', '/dev/vfio/*'],
 
 STOPPED = 75  # The training scripts' code for "stopped by SIGTERM, saved: run again to go on".
 INTERRUPTED = 130
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 HINTS = {255: 'ssh could not reach it or lost the connection',
          75: 'stopped by SIGTERM and saved: maintenance or preemption',
          127: 'command not found there (the command, or python3 for the watcher)'}
@@ -170,6 +171,9 @@ class Worker:
     threading.Thread(target=self._print, args=(log, lock, events), daemon=True).start()
 
   def _print(self, log, lock, events):
+    # Signals go to the main thread, which they wake: delivered here, they would wait for
+    # its next timeout, and two Ctrl-C within it would count as one.
+    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     prefix = f'[worker {self.index}] '.encode()
     try:
       for line in self.process.stdout:
@@ -312,8 +316,9 @@ def names(workers):
 def run(workers, remote, logs, grace):
   """Starts the command on every worker and watches it; returns the launcher's exit code."""
   events = queue.SimpleQueue()  # Worker that ended, or signal number; put() is signal-safe.
-  for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-    signal.signal(signum, lambda signum, frame: events.put(signum))
+  for signum in STOP_SIGNALS:
+    if signal.getsignal(signum) != signal.SIG_IGN:  # Under nohup a closed terminal is no stop.
+      signal.signal(signum, lambda signum, frame: events.put(signum))
   lock = threading.Lock()
   for worker, log in zip(workers, logs):
     worker.start(remote, log, lock, events)

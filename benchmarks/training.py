@@ -126,13 +126,13 @@ def first_step_seconds(script, args):
   return seconds, ''.join(lines)
 
 
-def checkpoint_costs(tmp):
-  """resnet50 checkpoint on XLA:CPU: (save seconds, load seconds, MB)."""
+def checkpoint_costs(tmp, name):
+  """A checkpoint of model `name` on XLA:CPU: (save seconds, load seconds, MB)."""
   import torch_xla
   import torch_xla.core.xla_model as xm
   import utils
   device = torch_xla.device()
-  model = torchvision.models.resnet50(num_classes=1000).to(device)
+  model = torchvision.models.get_model(name, num_classes=1000).to(device)
   optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
   images = torch.zeros(2, 3, 32, 32, device=device)
   labels = torch.zeros(2, dtype=torch.int64, device=device)
@@ -199,7 +199,7 @@ def measure(tmp, quick):
   resumed_at = re.search(r'Resumed from \S+ at epoch (\d+) step (\d+)', out)
   where = f'epoch {resumed_at.group(1)} step {resumed_at.group(2)}' if resumed_at else '?'
   with contextlib.redirect_stdout(io.StringIO()):  # Its 'Saved checkpoint' line.
-    costs = checkpoint_costs(tmp)
+    costs = checkpoint_costs(tmp, 'resnet18' if quick else 'resnet50')
   # After the XLA runtime is up: autograd sizes its device queues at the first backward.
   eager = eager_rate(model, img_dim, batch, 3 if quick else 20)
   return rows, first_step, (resumed, where), costs, eager
@@ -224,7 +224,7 @@ def main(argv):
   print()
   print('| checkpoint | value |')
   print('| --- | --- |')
-  print(f'| resnet50 + momentum, size | {size:,.0f} MB |')
+  print(f'| {"resnet18" if FLAGS.quick else "resnet50"} + momentum, size | {size:,.0f} MB |')
   print(f'| save (device to host, serialise, write, rename) | {save:.2f} s |')
   print(f'| load (read, check, copy to the device) | {load:.2f} s |')
   print(f'| train_wds_cifar.py, fresh run: start to first step | {first_step["train_wds_cifar.py"]:.1f} s |')

@@ -171,7 +171,7 @@ def limit_file_size(megabytes):
   return limit
 
 
-def test_failed_checkpoint_write_is_one_line_keeps_the_earlier_ones_and_resumes(data, tmp_path):
+def test_failed_checkpoint_write_is_one_line_and_keeps_the_earlier_ones(data, tmp_path):
   ckpt_dir = tmp_path / 'ckpt'
   args = ['--datadir', data / 'folder', '--model', 'resnet18', '--img_dim', 16, '--batch_size',
           8, '--num_steps', 3, '--num_workers', 0, '--ckpt_dir', ckpt_dir]
@@ -190,11 +190,8 @@ def test_failed_checkpoint_write_is_one_line_keeps_the_earlier_ones_and_resumes(
   assert len(errors) == 1 and re.search(r'cannot write checkpoint \S+ckpt-00000006\.pt \(.*File '
                                         r'too large.*\): free space', errors[0]), full.stderr
   assert sorted(p.name for p in ckpt_dir.iterdir()) == ['best.pt', 'ckpt-00000003.pt']
+  # Bitwise the checkpoint the next run resumes from (resuming is tested in test_resume.py).
   assert (ckpt_dir / 'ckpt-00000003.pt').read_bytes() == kept
-  again = subprocess.run([*cmd, '--num_epochs', '2'], cwd=REPO, env=script_env(),
-                         capture_output=True, text=True, timeout=300)
-  assert again.returncode == 0, again.stderr
-  assert re.search(r'^Resumed from \S+ckpt-00000003\.pt at epoch 2 step 0$', again.stdout, re.M)
 
 
 def test_random_bytes_are_not_a_readable_checkpoint(tmp_path):

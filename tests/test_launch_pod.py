@@ -84,14 +84,18 @@ def mark():
       pass
 
 
-def start(sshd, *args, mark, hosts=None):
+def start(sshd, *args, mark, hosts=None, nohup=False):
   """Starts launch_pod.py in a session of its own (as a terminal starts a command)."""
   flags = sshd['flags'][:-1] + [hosts or sshd['flags'][-1]]
   command = [sys.executable, REPO / 'launch_pod.py', *flags, f'--env=TEST_MARK={mark}', *args]
+  ignore_hup = lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN)  # noqa: E731 (what nohup does)
   process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                             text=True, bufsize=1, start_new_session=True)
+                             text=True, bufsize=1, start_new_session=True,
+                             preexec_fn=ignore_hup if nohup else None)
   # A launcher that hangs ends the test (its output closes) instead of the suite.
-  threading.Timer(300, lambda: process.poll() is None and os.killpg(process.pid, 9)).start()
+  timer = threading.Timer(300, lambda: process.poll() is None and os.killpg(process.pid, 9))
+  timer.daemon = True
+  timer.start()
   return process
 
 
@@ -228,6 +232,19 @@ def test_sigterm_to_the_launcher_kills_what_does_not_stop_within_the_grace_perio
   assert 'launch_pod: SIGTERM: already stopping (Ctrl-C: SIGKILL at once)' in rest, out + rest
   assert process.returncode == 128 + signal.SIGKILL, out + rest
   assert 'launch_pod: workers 0, 1 still running 1 s after SIGTERM: SIGKILL' in rest, out + rest
+  assert_nothing_left(mark)
+
+
+@pytest.mark.parametrize('nohup, code', [(False, 75), (True, 0)])
+def test_a_closed_terminal_is_a_stop_unless_under_nohup(sshd, mark, nohup, code):
+  process = start(sshd, '--', *python(
+      'import signal, sys, time; signal.signal(signal.SIGTERM, lambda *_: sys.exit(75)); '
+      'print("started", flush=True); time.sleep(3)'), mark=mark, nohup=nohup)
+  out = wait_for(process, r'^\[worker \d\] started', count=2)
+  os.killpg(process.pid, signal.SIGHUP)
+  rest, _ = process.communicate(timeout=60)
+  assert process.returncode == code, out + rest
+  assert ('launch_pod: SIGHUP: SIGTERM to the command on every worker' in rest) != nohup, rest
   assert_nothing_left(mark)
 
 
