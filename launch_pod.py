@@ -15,7 +15,7 @@ stops the command if the launcher goes away. Only Python and absl-py are needed 
 launcher runs, plus gcloud for --tpu.
 
 Exit codes: 0 done on every worker; 75 stopped (Ctrl-C, SIGTERM or a preempted worker) and
-every worker saved: run the same command to go on; 130 a second Ctrl-C, killed at once;
+every worker saved: run the same command to go on; 130 Ctrl-C during a stop, killed at once;
 2 a bad flag, or a TPU that cannot be described; any other: the code of the first worker
 that failed (255: ssh could not reach it or lost it), which the launcher names.
 """
@@ -223,7 +223,11 @@ def describe_command(tpu, zone, project):
 def tpu_workers(describe_output, tpu, zone, project, internal_ip, ssh_options):
   """The workers of a `describe --format json` output, each reached by `gcloud ... ssh
   --worker=N`, which knows the keys (and OS Login) of the project."""
-  info = json.loads(describe_output)
+  try:
+    info = json.loads(describe_output)
+  except ValueError:
+    raise UsageError(f'gcloud describe of TPU {tpu} printed no JSON: '
+                     f'{describe_output[:200]!r}') from None
   if info.get('state', 'READY') != 'READY':
     raise UsageError(f'TPU {tpu} is {info["state"]}, not READY: wait for it, or recreate it')
   endpoints = info.get('networkEndpoints') or []
@@ -254,6 +258,9 @@ def describe(tpu, zone, project):
   except FileNotFoundError:
     raise UsageError('gcloud not found: install the Google Cloud CLI, or name the workers with '
                      '--hosts') from None
+  except subprocess.TimeoutExpired:
+    raise UsageError(f'gcloud did not describe TPU {tpu} within 300 s: check the network and '
+                     'gcloud auth list') from None
   if done.returncode:
     last = (done.stderr.strip().splitlines() or ['no message'])[-1]
     raise UsageError(f'cannot describe TPU {tpu}: {last}')

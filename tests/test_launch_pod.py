@@ -352,3 +352,5 @@ def test_tpu_workers_come_from_describe_and_are_reached_with_gcloud_ssh():
                           ({'networkEndpoints': []}, 'TPU pod lists no workers')]:
     with pytest.raises(launch_pod.UsageError, match=message):
       launch_pod.tpu_workers(json.dumps({**DESCRIBE, **change}), 'pod', 'z', None, False, [])
+  with pytest.raises(launch_pod.UsageError, match='describe of TPU pod printed no JSON'):
+    launch_pod.tpu_workers('Listed 0 items.', 'pod', 'z', None, False, [])
