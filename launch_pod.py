@@ -1,6 +1,6 @@
 """Runs one command on every worker of a Cloud TPU pod slice (or of any hosts over ssh),
 prints every worker's lines under its name, and stops the command everywhere on Ctrl-C,
-SIGTERM or a failing worker: what torch_xla.distributed.xla_dist did before it was removed
+SIGTERM or a failing worker: what xla_dist did before it was removed
 with XRT, for today's TPU VMs.
 
   python launch_pod.py --tpu NAME --zone ZONE --env PJRT_DEVICE=TPU -- \
