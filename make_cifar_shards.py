@@ -6,26 +6,22 @@ or an image folder (DIR/train/CLASS/*.png, DIR/test/CLASS/*.png, 32x32 images), 
 writes PREFIX-train-000000.tar, ... and PREFIX-test-000000.tar, ... to a local folder or
 any fsspec URL (gs://bucket/cifar10/cifar, ...).
 
-Each sample is two tar members: KEY.rgb, the image as 3072 raw bytes (32x32x3 uint8,
-height x width x channel), and KEY.cls, the label as ASCII digits. Raw bytes decode in
-about 1 us (np.frombuffer); a 32x32 PNG takes about 50 us, enough to make the host, not
-the TPU, the bottleneck (see README). --format png writes KEY.png instead, which any
+Each sample is two tar members, KEY.rgb (the image as raw bytes, the fastest to read) and
+KEY.cls (the label): see shard_format.py. --format png writes KEY.png instead, which any
 WebDataset reader decodes (`.decode('pil')`) and any image viewer shows.
 
   python make_cifar_shards.py --cifar_dir data/cifar-10-batches-py --output shards/cifar
 """
 
-import io
 import os
 import pickle
 import random
-import tarfile
 
 import fsspec
 import numpy as np
-import PIL.Image
 from absl import app, flags
 
+import shard_format
 import utils
 
 FLAGS = flags.FLAGS
@@ -40,7 +36,6 @@ flags.DEFINE_integer('shuffle_seed', 0, 'Seed of the training-set shuffle.')
 flags.DEFINE_enum('format', 'rgb', ['rgb', 'png'], 'Image files: raw bytes (fastest to read) or '
                   'PNG (readable by other tools; lossless, about as big).')
 
-IMAGE_SHAPE = (32, 32, 3)
 TRAIN_BATCHES = [f'data_batch_{i}' for i in range(1, 6)]
 
 
@@ -90,7 +85,7 @@ def read_image_folder(root):
       for entry in sorted(os.scandir(os.path.join(root, name, cls)), key=lambda e: e.name):
         if entry.is_file() and entry.name.lower().endswith(utils.IMG_EXTENSIONS):
           image = np.asarray(utils.load_image(entry.path))
-          if image.shape != IMAGE_SHAPE:
+          if image.shape != (shard_format.SIDE, shard_format.SIDE, 3):
             raise utils.UsageError(f'{entry.path} is {image.shape[1]}x{image.shape[0]}: '
                                    'CIFAR shards hold 32x32 images')
           images.append(image)
@@ -98,44 +93,6 @@ def read_image_folder(root):
     return np.stack(images), np.asarray(labels, np.int64)
 
   return (*split('train'), *split('test'), classes)
-
-
-def add_member(tar, name, data):
-  info = tarfile.TarInfo(name)
-  info.size = len(data)
-  info.mode = 0o444
-  tar.addfile(info, io.BytesIO(data))
-
-
-def encode(image, image_format):
-  if image_format == 'rgb':
-    return image.tobytes()
-  with io.BytesIO() as f:
-    PIL.Image.fromarray(image).save(f, format='PNG')
-    return f.getvalue()
-
-
-def write_shards(images, labels, order, pattern, samples_per_shard, image_format='rgb'):
-  """Writes samples images[order[k]], labels[order[k]] to pattern % 0, pattern % 1, ...,
-  the images as image_format (rgb or png) files; returns the URLs written."""
-  urls = []
-  for shard, start in enumerate(range(0, len(order), samples_per_shard)):
-    url = pattern % shard
-    # Written under a temporary name, then moved: a reader never sees half a shard.
-    with fsspec.open(url + '.tmp', 'wb') as f, tarfile.open(fileobj=f, mode='w',
-                                                            format=tarfile.USTAR_FORMAT) as tar:
-      for key in range(start, min(start + samples_per_shard, len(order))):
-        index = order[key]
-        add_member(tar, f'{key:08d}.{image_format}', encode(images[index], image_format))
-        add_member(tar, f'{key:08d}.cls', str(int(labels[index])).encode())
-    fs, path = fsspec.core.url_to_fs(url)
-    fs.mv(path + '.tmp', path)
-    urls.append(url)
-  return urls
-
-
-def brace_pattern(prefix, split, count):
-  return f'{prefix}-{split}-{{{0:06d}..{count - 1:06d}}}.tar'
 
 
 def main(argv):
@@ -165,9 +122,9 @@ def main(argv):
   try:
     fs, path = fsspec.core.url_to_fs(FLAGS.output)
     fs.makedirs(os.path.dirname(path) or '.', exist_ok=True)
-    train = write_shards(train_images, train_labels, order, FLAGS.output + '-train-%06d.tar',
+    train = shard_format.write_shards(train_images, train_labels, order, FLAGS.output + '-train-%06d.tar',
                          FLAGS.samples_per_shard, FLAGS.format)
-    test = write_shards(test_images, test_labels, range(len(test_labels)),
+    test = shard_format.write_shards(test_images, test_labels, range(len(test_labels)),
                         FLAGS.output + '-test-%06d.tar', FLAGS.samples_per_shard, FLAGS.format)
   except OSError as e:  # No permission, a full disk, a file where a folder should be, ...
     utils.die(f'cannot write shards to --output {FLAGS.output} ({type(e).__name__}: {e}): give '
@@ -175,9 +132,9 @@ def main(argv):
   print(f'Classes: {" ".join(classes)}')
   print(f'Wrote {len(order)} training samples in {len(train)} shards and {len(test_labels)} test '
         f'samples in {len(test)} shards. Train with:')
-  print(f'  --wds_traindir "{brace_pattern(FLAGS.output, "train", len(train))}" '
+  print(f'  --wds_traindir "{shard_format.brace_pattern(FLAGS.output, "train", len(train))}" '
         f'--trainsize {len(order)} \\\n'
-        f'  --wds_testdir "{brace_pattern(FLAGS.output, "test", len(test))}" '
+        f'  --wds_testdir "{shard_format.brace_pattern(FLAGS.output, "test", len(test))}" '
         f'--testsize {len(test_labels)}')
 
 

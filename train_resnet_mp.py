@@ -35,6 +35,7 @@ import torchvision
 from absl import app, flags
 from torch.utils.tensorboard import SummaryWriter
 
+import supervision
 import utils
 
 FLAGS = flags.FLAGS
@@ -131,7 +132,7 @@ def load_data(cfg, rank, world_size):
           len(train_set.classes))
 
 
-def start_run(cfg, num_classes, steps_per_epoch):
+def start_run(cfg, num_classes, steps_per_epoch, stop_signal):
   """Model, optimizer, LR schedule, log, stop vote and results of this replica, restored from
   the newest checkpoint if there is one; run.epoch and run.step are where training goes on."""
   device = torch_xla.device()
@@ -146,15 +147,14 @@ def start_run(cfg, num_classes, steps_per_epoch):
         cfg.lr_scheduler_divisor))
   writer = SummaryWriter(cfg.logdir) if cfg.logdir and xm.is_master_ordinal() else None
   run = SimpleNamespace(cfg=cfg, model=model, optimizer=optimizer, scheduler=scheduler,
-                        log=utils.StepLog(device, writer), stop=utils.StopVote(device),
-                        results=utils.new_results(cfg.model), epoch=1, step=0)
+                        log=utils.StepLog(device, writer), stop=utils.StopVote(device, stop_signal),
+                        stop_signal=stop_signal, results=utils.new_results(cfg.model), epoch=1,
+                        step=0, global_step=0)
   state = utils.resume(cfg.resume, cfg.ckpt_dir, (model, optimizer, scheduler), vars(cfg),
                        RESTART_FLAGS)
   if state is not None:
-    run.results, run.epoch, run.step = state['results'], state['epoch'], state['step']
-    xm.master_print(f'Run already finished: {state["path"]} is the end of epoch {run.epoch - 1} '
-                    f'(--num_epochs {cfg.num_epochs})' if run.epoch > cfg.num_epochs else
-                    f'Resumed from {state["path"]} at epoch {run.epoch} step {run.step}')
+    run.results, run.epoch, run.step, run.global_step = (state[key] for key in (
+        'results', 'epoch', 'step', 'global_step'))
   return run
 
 
@@ -170,7 +170,7 @@ def train_step(model, optimizer, scheduler, images, labels):
 
 def train_one_epoch(run, loader, epoch, first_step):
   """Trains the epoch from step first_step on; returns (steps run, whether to stop now)."""
-  cfg, results = run.cfg, run.results
+  cfg = run.cfg
   tracker = xm.RateTracker()
   run.model.train()
   steps = 0
@@ -179,14 +179,14 @@ def train_one_epoch(run, loader, epoch, first_step):
       loss = train_step(run.model, run.optimizer, run.scheduler, images, labels)
       tracker.add(cfg.batch_size)
       if step % cfg.log_steps == 0:
-        xm.add_step_closure(run.log.add, args=(epoch, step, results['train_steps'], loss, tracker,
+        xm.add_step_closure(run.log.add, args=(epoch, step, run.global_step, loss, tracker,
                                                run.optimizer.param_groups[0]['lr']))
       stopping = run.stop.agreed_after_step()  # The same answer on every replica.
     steps += 1
-    results['train_steps'] += 1
+    run.global_step += 1
     if stopping:
       return steps, True
-    if cfg.ckpt_dir and cfg.ckpt_every_steps and results['train_steps'] % cfg.ckpt_every_steps == 0:
+    if cfg.ckpt_dir and cfg.ckpt_every_steps and run.global_step % cfg.ckpt_every_steps == 0:
       save_checkpoint(run, epoch, step + 1)
   return steps, False
 
@@ -210,7 +210,7 @@ def save_checkpoint(run, epoch, step, best=False):
   replica calls it at the same step; the master writes."""
   state = dict(model=run.model.state_dict(), optimizer=run.optimizer.state_dict(),
                lr_scheduler=run.scheduler.state_dict() if run.scheduler else None, epoch=epoch,
-               step=step, global_step=run.results['train_steps'], flags=vars(run.cfg),
+               step=step, global_step=run.global_step, flags=vars(run.cfg),
                rng=dict(torch=torch.get_rng_state(), xla=xm.get_rng_state()), results=run.results)
   return utils.save_checkpoint(state, run.cfg.ckpt_dir, run.cfg.keep_checkpoints, best)
 
@@ -218,10 +218,10 @@ def save_checkpoint(run, epoch, step, best=False):
 def stop_run(run, epoch, step):
   """The end of a run stopped by SIGTERM or Ctrl-C at a step boundary: saves, says so."""
   saved = save_checkpoint(run, epoch, step) if run.cfg.ckpt_dir else None
-  name, code = utils.record_stop(run.results)
+  name, code = utils.record_stop(run.results, run.stop_signal(), run.global_step)
   xm.master_print(f'Stopped by {name} at epoch {epoch} step {step}: ' +
                   (f'saved {saved}; run the same command to resume' if saved else
-                   'nothing saved (no --ckpt_dir)') + f' (exit code {code})')
+                   'nothing saved (no --ckpt_dir)') + f' (exit code {code})', flush=True)
   return run.results
 
 
@@ -234,18 +234,19 @@ def end_epoch(run, epoch, accuracy, counts):
   results['compilations_after_epoch'].append(utils.compile_count())
   test_utils.write_to_summary(run.log.writer, epoch, {'Accuracy/test': accuracy})
   if run.cfg.metrics_debug:
-    xm.master_print(met.metrics_report())
+    xm.master_print(met.metrics_report(), flush=True)
   if run.cfg.ckpt_dir:
     save_checkpoint(run, epoch + 1, 0, best=best)
   return run.stop.agreed_at_epoch_end()
 
 
-def train(cfg):
-  """The whole run of one replica; returns the results dict that --results_json writes."""
+def train(cfg, stop_signal):
+  """The whole run of one replica; returns the results dict that --results_json writes.
+  stop_signal() is the stop signal this process got, or 0."""
   torch.manual_seed(cfg.seed)
   rank, world_size, device = xr.global_ordinal(), xr.world_size(), torch_xla.device()
   train_loader, test_loader, num_classes = load_data(cfg, rank, world_size)
-  run = start_run(cfg, num_classes, train_loader.num_batches)
+  run = start_run(cfg, num_classes, train_loader.num_batches, stop_signal)
   results = run.results
   # The server lives as long as this reference: keep it until training ends.
   profiler = xp.start_server(cfg.profiler_port + xr.local_ordinal()) if cfg.profile else None
@@ -257,7 +258,7 @@ def train(cfg):
   for epoch in range(run.epoch, cfg.num_epochs + 1):
     first_step = run.step if epoch == run.epoch else 0
     train_loader.set_epoch(epoch, first_step)  # Skips, on the host, what a resumed run trained.
-    xm.master_print(f'Epoch {epoch} train begin {test_utils.now()}')
+    xm.master_print(f'Epoch {epoch} train begin {test_utils.now()}', flush=True)
     start, executed = time.time(), utils.execute_seconds()
     steps, stopped = train_one_epoch(run, train_device_loader, epoch, first_step)
     train_loader.check()
@@ -273,29 +274,27 @@ def train(cfg):
           flush=True)
     rate = xm.mesh_reduce('epoch_rate', steps * cfg.batch_size / seconds, sum)
     results['epoch_rates'] += [rate] if steps else []
-    xm.master_print(f'Epoch {epoch} train end {test_utils.now()}, Reduced GlobalRate={rate:.2f}')
+    xm.master_print(f'Epoch {epoch} train end {test_utils.now()}, Reduced GlobalRate={rate:.2f}',
+                    flush=True)
     accuracy, *counts = evaluate(run.model, test_device_loader)
     test_loader.check()
-    xm.master_print(f'Epoch {epoch} test end {test_utils.now()}, Accuracy={accuracy:.2f}')
+    xm.master_print(f'Epoch {epoch} test end {test_utils.now()}, Accuracy={accuracy:.2f}',
+                    flush=True)
     if end_epoch(run, epoch, accuracy, counts):
       return stop_run(run, epoch + 1, 0)
   del profiler
-  return utils.finish_results(results, cfg.batch_size * world_size, run.log.writer)
+  return utils.finish_results(results, run.global_step, cfg.batch_size * world_size,
+                              run.log.writer)
 
 
 def _mp_fn(index, flag_values):
   """One replica. flag_values is a plain dict: absl's FLAGS do not cross the spawn."""
   del index  # The global ordinal comes from the runtime.
-  utils.exit_with_launcher()
   cfg = SimpleNamespace(**flag_values)
-  try:
-    results = train(cfg)
+  with supervision.replica():  # A replica that fails ends at once, and so the whole run.
+    results = train(cfg, supervision.stop_signal)
     if xm.is_master_ordinal():
       utils.write_results(cfg.results_json, results)
-  except Exception as e:  # Ends this replica at once: the launcher then ends the others.
-    utils.replica_failed(e)
-  finally:
-    utils.end_loader_workers()
   sys.exit(utils.exit_code(results, cfg.target_accuracy))
 
 
@@ -319,7 +318,7 @@ def main(argv):
     utils.die(e)
   # SIGTERM and Ctrl-C stop every replica after a step; one replica that fails (or a second
   # Ctrl-C) ends them all at once: see run_watched.
-  with utils.run_watched(launcher=FLAGS.num_cores != 1):
+  with supervision.run_watched(launcher=FLAGS.num_cores != 1):
     torch_xla.launch(_mp_fn, args=(flag_values,), debug_single_process=FLAGS.num_cores == 1)
 
 
@@ -328,4 +327,4 @@ if __name__ == '__main__':
 elif __name__ == '__mp_main__':
   # A replica process of torch_xla.launch imports this file in its main thread, the only
   # one that may catch a signal; train() runs in another thread.
-  utils.stop_on_signals()
+  supervision.stop_on_signals()

@@ -39,6 +39,7 @@ import torchvision
 from absl import app, flags
 from torch.utils.tensorboard import SummaryWriter
 
+import supervision
 import utils
 
 FLAGS = flags.FLAGS
@@ -143,7 +144,7 @@ def load_data(cfg, host, hosts, local_devices):
           len(train_set.classes))
 
 
-def start_run(cfg, num_classes, steps_per_epoch, mesh):
+def start_run(cfg, num_classes, steps_per_epoch, stop_signal, mesh):
   """Model, optimizer, LR schedule, log, stop vote and results, restored from the newest
   checkpoint if there is one; run.epoch and run.step are where training goes on."""
   device = torch_xla.device()  # One device that stands for the whole mesh.
@@ -159,15 +160,14 @@ def start_run(cfg, num_classes, steps_per_epoch, mesh):
   writer = SummaryWriter(cfg.logdir) if cfg.logdir and utils.is_master() else None
   results = utils.new_results(cfg.model, world_size=xr.global_runtime_device_count(), spmd=True)
   run = SimpleNamespace(cfg=cfg, model=model, optimizer=optimizer, scheduler=scheduler,
-                        log=utils.StepLog(device, writer), stop=utils.StopVote(device, mesh),
-                        results=results, epoch=1, step=0)
+                        log=utils.StepLog(device, writer), stop_signal=stop_signal,
+                        stop=utils.StopVote(device, stop_signal, mesh), results=results, epoch=1,
+                        step=0, global_step=0)
   state = utils.resume(cfg.resume, cfg.ckpt_dir, (model, optimizer, scheduler), vars(cfg),
                        RESTART_FLAGS)
   if state is not None:
-    run.results, run.epoch, run.step = state['results'], state['epoch'], state['step']
-    print(f'Run already finished: {state["path"]} is the end of epoch {run.epoch - 1} '
-          f'(--num_epochs {cfg.num_epochs})' if run.epoch > cfg.num_epochs else
-          f'Resumed from {state["path"]} at epoch {run.epoch} step {run.step}', flush=True)
+    run.results, run.epoch, run.step, run.global_step = (state[key] for key in (
+        'results', 'epoch', 'step', 'global_step'))
   return run
 
 
@@ -184,23 +184,23 @@ def train_step(model, optimizer, scheduler, images, labels):
 
 def train_one_epoch(run, loader, epoch, first_step):
   """Trains the epoch from step first_step on; returns (steps run, whether to stop now)."""
-  cfg, results = run.cfg, run.results
+  cfg = run.cfg
   tracker = xm.RateTracker()
   run.model.train()
   steps = 0
   for step, batch in enumerate(loader, first_step):
     with xp.StepTrace('train_step', step_num=step):  # Named steps in a profile; ends in a sync.
       loss = train_step(run.model, run.optimizer, run.scheduler, batch['images'], batch['labels'])
-      tracker.add(cfg.batch_size * results['world_size'])
+      tracker.add(cfg.batch_size * run.results['world_size'])
       if step % cfg.log_steps == 0:
-        xm.add_step_closure(run.log.add, args=(epoch, step, results['train_steps'], loss, tracker,
+        xm.add_step_closure(run.log.add, args=(epoch, step, run.global_step, loss, tracker,
                                                run.optimizer.param_groups[0]['lr']))
       stopping = run.stop.agreed_after_step()  # The same answer on every host.
     steps += 1
-    results['train_steps'] += 1
+    run.global_step += 1
     if stopping:
       return steps, True
-    if cfg.ckpt_dir and cfg.ckpt_every_steps and results['train_steps'] % cfg.ckpt_every_steps == 0:
+    if cfg.ckpt_dir and cfg.ckpt_every_steps and run.global_step % cfg.ckpt_every_steps == 0:
       save_checkpoint(run, epoch, step + 1)
   return steps, False
 
@@ -225,7 +225,7 @@ def save_checkpoint(run, epoch, step, best=False):
   host calls it at the same step; process 0 writes."""
   state = dict(model=run.model.state_dict(), optimizer=run.optimizer.state_dict(),
                lr_scheduler=run.scheduler.state_dict() if run.scheduler else None, epoch=epoch,
-               step=step, global_step=run.results['train_steps'], flags=vars(run.cfg),
+               step=step, global_step=run.global_step, flags=vars(run.cfg),
                rng=dict(torch=torch.get_rng_state(), xla=xm.get_rng_state()), results=run.results)
   return utils.save_checkpoint(state, run.cfg.ckpt_dir, run.cfg.keep_checkpoints, best)
 
@@ -233,10 +233,10 @@ def save_checkpoint(run, epoch, step, best=False):
 def stop_run(run, epoch, step):
   """The end of a run stopped by SIGTERM or Ctrl-C at a step boundary: saves, says so."""
   saved = save_checkpoint(run, epoch, step) if run.cfg.ckpt_dir else None
-  name, code = utils.record_stop(run.results)
-  print(f'Stopped by {name} at epoch {epoch} step {step}: ' +
-        (f'saved {saved}; run the same command to resume' if saved else
-         'nothing saved (no --ckpt_dir)') + f' (exit code {code})', flush=True)
+  name, code = utils.record_stop(run.results, run.stop_signal(), run.global_step)
+  xm.master_print(f'Stopped by {name} at epoch {epoch} step {step}: ' +
+                  (f'saved {saved}; run the same command to resume' if saved else
+                   'nothing saved (no --ckpt_dir)') + f' (exit code {code})', flush=True)
   return run.results
 
 
@@ -249,20 +249,21 @@ def end_epoch(run, epoch, accuracy, counts):
   results['compilations_after_epoch'].append(utils.compile_count())
   test_utils.write_to_summary(run.log.writer, epoch, {'Accuracy/test': accuracy})
   if run.cfg.metrics_debug:
-    print(met.metrics_report(), flush=True)
+    xm.master_print(met.metrics_report(), flush=True)
   if run.cfg.ckpt_dir:
     save_checkpoint(run, epoch + 1, 0, best=best)
   return run.stop.agreed_at_epoch_end()
 
 
-def train(cfg):
-  """The whole run of this host; returns the results dict that --results_json writes."""
+def train(cfg, stop_signal):
+  """The whole run of this host; returns the results dict that --results_json writes.
+  stop_signal() is the stop signal this process got, or 0."""
   torch.manual_seed(cfg.seed)
   host, hosts, devices = xr.process_index(), xr.process_count(), xr.global_runtime_device_count()
   local_devices = xr.addressable_runtime_device_count()
   mesh = xs.Mesh(np.arange(devices), (devices,), ('data',))
   train_loader, test_loader, num_classes = load_data(cfg, host, hosts, local_devices)
-  run = start_run(cfg, num_classes, train_loader.num_batches, mesh)
+  run = start_run(cfg, num_classes, train_loader.num_batches, stop_signal, mesh)
   results, device = run.results, torch_xla.device()
   # The server lives as long as this reference: keep it until training ends.
   profiler = xp.start_server(cfg.profiler_port) if cfg.profile else None
@@ -278,7 +279,7 @@ def train(cfg):
   for epoch in range(run.epoch, cfg.num_epochs + 1):
     first_step = run.step if epoch == run.epoch else 0
     train_loader.set_epoch(epoch, first_step)  # Skips, on the host, what a resumed run trained.
-    print(f'Epoch {epoch} train begin {test_utils.now()}', flush=True)
+    xm.master_print(f'Epoch {epoch} train begin {test_utils.now()}', flush=True)
     start, executed = time.time(), utils.execute_seconds()
     steps, stopped = train_one_epoch(run, train_device_loader, epoch, first_step)
     train_loader.check()
@@ -294,14 +295,17 @@ def train(cfg):
           f'Devices={local_devices} of {devices} Host={host}', flush=True)
     rate = steps * cfg.batch_size * devices / seconds  # Every host runs every step.
     results['epoch_rates'] += [rate] if steps else []
-    print(f'Epoch {epoch} train end {test_utils.now()}, Reduced GlobalRate={rate:.2f}', flush=True)
+    xm.master_print(f'Epoch {epoch} train end {test_utils.now()}, Reduced GlobalRate={rate:.2f}',
+                    flush=True)
     accuracy, *counts = evaluate(run.model, test_device_loader)
     test_loader.check()
-    print(f'Epoch {epoch} test end {test_utils.now()}, Accuracy={accuracy:.2f}', flush=True)
+    xm.master_print(f'Epoch {epoch} test end {test_utils.now()}, Accuracy={accuracy:.2f}',
+                    flush=True)
     if end_epoch(run, epoch, accuracy, counts):
       return stop_run(run, epoch + 1, 0)
   del profiler
-  return utils.finish_results(results, cfg.batch_size * devices, run.log.writer)
+  return utils.finish_results(results, run.global_step, cfg.batch_size * devices,
+                              run.log.writer)
 
 
 def main(argv):
@@ -316,7 +320,7 @@ def main(argv):
   xr.use_spmd()
   # SIGTERM and Ctrl-C stop after a step (on every host: see StopVote); a second Ctrl-C ends
   # the run at once.
-  with utils.run_watched(launcher=False):
+  with supervision.run_watched(launcher=False):
     try:
       if not cfg.fake_data and not cfg.datadir:
         raise utils.UsageError('give --datadir DIR (DIR/train/CLASS/*.jpg, DIR/val/CLASS/*.jpg) '
@@ -324,13 +328,11 @@ def main(argv):
       if not cfg.fake_data:
         utils.check_image_folders(cfg.datadir, ('train', 'val'))
       utils.check_outputs(cfg.ckpt_dir, cfg.logdir, cfg.results_json)
-      results = train(cfg)
+      results = train(cfg, supervision.stop_signal)
       if utils.is_master():
         utils.write_results(cfg.results_json, results)
     except (utils.UsageError, utils.BadDataError) as e:
       utils.die(e)
-    finally:
-      utils.end_loader_workers()
   sys.exit(utils.exit_code(results, cfg.target_accuracy))
 
 

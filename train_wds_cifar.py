@@ -18,19 +18,15 @@ rebuilt from (seed, epoch) and the trained batches are read but not used. On SIG
 exits with 75 (130).
 """
 
-import io
 import itertools
 import os
 import random
-import re
 import sys
 import time
 from types import SimpleNamespace
 
 import braceexpand
-import fsspec
 import numpy as np
-import PIL.Image
 import torch
 import torch.nn.functional as F
 import torch_xla
@@ -46,6 +42,8 @@ from absl import app, flags
 from torch.utils.tensorboard import SummaryWriter
 from torchvision.transforms import v2
 
+import shard_format
+import supervision
 import utils
 
 FLAGS = flags.FLAGS
@@ -106,165 +104,17 @@ RESTART_FLAGS = {'resume', 'ckpt_dir', 'ckpt_every_steps', 'keep_checkpoints', '
                  'host_to_device_transfer_threads', 'fail_on_bad_data', 'num_cores'}
 CIFAR_MEAN = (0.4914, 0.4822, 0.4465)
 CIFAR_STD = (0.2470, 0.2435, 0.2616)
-SIDE = 32  # CIFAR images are 32x32 RGB.
-# The image files a sample may hold, tried in this order: raw bytes (make_cifar_shards.py),
-# the formats webdataset's ShardWriter writes from a PIL image, and numpy's.
-IMAGE_KEYS = ('rgb', 'ppm', 'png', 'jpg', 'jpeg', 'webp', 'npy')
-PPM_HEADER = re.compile(rb'P6\s+(\d+)\s+(\d+)\s+255\s')  # 8-bit binary RGB, no comment.
 
 
 # ------------------------------------------------------------------------------ data
-def shard_missing(url):
-  """Whether the shard does not exist; a UsageError if its server or bucket cannot be asked."""
-  fs, path = fsspec.core.url_to_fs(url)
-  try:
-    fs.info(path)
-    return False
-  except FileNotFoundError as e:
-    # fsspec's http also says this for a server it cannot reach, with the connection's
-    # error (an OSError) as the cause.
-    if not isinstance(e.__cause__, OSError) or isinstance(e.__cause__, FileNotFoundError):
-      return True
-    error = e.__cause__
-  except Exception as e:  # A name that does not resolve, a bucket without credentials, ...
-    error = e
-  raise utils.UsageError(f'cannot reach {url} ({type(error).__name__}: {error}): check that '
-                         'the server or bucket is up and the address is right')
-
-
-def check_shards(flag, pattern, strict):
-  """A UsageError if no shard of the pattern exists (pipe: commands are not checked), or if
-  some do not and strict; else a warning line naming those that will be skipped."""
-  urls = list(braceexpand.braceexpand(pattern))
-  missing = [url for url in urls if not url.startswith('pipe:') and shard_missing(url)]
-  if len(missing) == len(urls):
-    raise utils.UsageError(f'--{flag}: no shard found at {pattern} (first: {urls[0]}); check the '
-                           'path or URL and the {first..last} range')
-  if missing:
-    message = f'--{flag}: {len(missing)} of {len(urls)} shards do not exist, e.g. {missing[0]}'
-    if strict:
-      raise utils.UsageError(f'{message}: fix the pattern, or drop --fail_on_bad_data to skip them')
-    print(f'warning: {message}; they will be skipped', file=sys.stderr, flush=True)
-  first = next((url for url in urls if url not in missing and not url.startswith('pipe:')), None)
-  if first:
-    check_format(flag, first)
-
-
-def check_format(flag, url):
-  """A UsageError if the first sample of the shard is not of a kind this script reads: shards
-  of another format are one line at start, not a warning for every sample."""
-  try:
-    with fsspec.open(url, 'rb') as stream:
-      files = wds.tariterators.tar_file_expander([dict(url=url, stream=stream)])
-      sample = next(wds.tariterators.group_by_keys(files))
-  except Exception:
-    return  # No sample can be read: skipped with a warning (or fatal) when it is.
-  try:
-    decode(sample)
-  except ForeignSample as e:
-    raise utils.UsageError(f'--{flag}: sample {sample["__key__"]} of {url} {e}') from None
-  except BadSample:
-    pass  # One corrupt sample: skipped with a warning (or fatal) when it is read.
-
-
-class BadSample(ValueError):
-  """A sample that cannot be used, saying why."""
-
-
-class ForeignSample(BadSample):
-  """A sample that is not one of a set this script can read (keys, image size)."""
-
-
-def decode(sample):
-  """(image uint8 32x32x3, label) of a sample: the image from its rgb (3,072 raw bytes), ppm,
-  png, jpg, jpeg, webp (converted to RGB as PIL does) or npy (uint8 32x32x3) file, the label
-  from its cls file (ASCII digits: how ShardWriter writes an int)."""
-  image_key = next((key for key in IMAGE_KEYS if key in sample), None)
-  if image_key is None or 'cls' not in sample:
-    found = ', '.join(sorted(key for key in sample if not key.startswith('__'))) or 'no file'
-    raise ForeignSample(f'holds {found}, where an image ({", ".join(IMAGE_KEYS)}) and a label '
-                        "(cls) are expected: write the shards with such keys, e.g. ShardWriter "
-                        "and {'ppm': PIL image, 'cls': int}, or with make_cifar_shards.py")
-  data = sample[image_key]
-  try:
-    if image_key == 'rgb':
-      image = np.frombuffer(data, np.uint8).reshape(SIDE, SIDE, 3)
-    elif image_key == 'npy':
-      image = np.load(io.BytesIO(data), allow_pickle=False)
-    elif image_key == 'ppm' and (header := PPM_HEADER.match(data)):  # Raw RGB: no PIL needed.
-      width, height = int(header[1]), int(header[2])
-      image = np.frombuffer(data, np.uint8, width * height * 3, header.end())
-      image = image.reshape(height, width, 3)
-    else:
-      with PIL.Image.open(io.BytesIO(data)) as pil:
-        image = np.asarray(pil.convert('RGB'))
-    label = int(sample['cls'])
-  except (ValueError, OSError, EOFError, SyntaxError) as e:  # What PIL and numpy raise.
-    raise BadSample(f'has no readable {image_key} image and cls label ({e!r})') from None
-  if image.shape != (SIDE, SIDE, 3) or image.dtype != np.uint8:
-    size = (f'{image.shape[1]}x{image.shape[0]}' if image.ndim == 3 and image.dtype == np.uint8
-            else f'a {image.dtype} array of shape {image.shape}')
-    raise ForeignSample(f'holds a {image_key} image of {size}: this script trains on 32x32 RGB '
-                        'images (uint8 arrays in npy); resize them when writing the shards')
-  return image, label
-
-
-def read_samples(urls, on_bad):
-  """(image uint8 HWC, label) of every sample of the shards in turn. A shard that cannot be
-  opened or read to the end, or a sample without a readable image and label, is passed
-  to on_bad(message), which raises or counts it, and reading goes on."""
-  for url in urls:
-    try:
-      # A pipe: command (e.g. 'pipe:gsutil cat gs://bucket/shard.tar') or an fsspec URL.
-      stream = wds.gopen(url) if url.startswith('pipe:') else fsspec.open(url, 'rb').open()
-      try:
-        files = wds.tariterators.tar_file_expander([dict(url=url, stream=stream)])
-        for sample in wds.tariterators.group_by_keys(files):
-          try:
-            yield decode(sample)
-          except BadSample as e:
-            on_bad(f'sample {sample["__key__"]} of {url} {e}')
-      finally:
-        stream.close()
-    except utils.BadDataError:
-      raise
-    except Exception as e:  # A missing shard, a truncated or corrupt tar.
-      on_bad(f'shard {url} cannot be read to the end ({type(e).__name__}: '
-             f'{e.args[0] if e.args else e})')
-
-
-class BadData:
-  """A missing or corrupt shard or sample: raised (strict), or counted in counts[slot] with a
-  warning line for the first few; counts may be a tensor that the loader workers of a
-  replica share (one slot each), so that a million bad samples are not a million lines."""
-  SHOWN = 5
-
-  def __init__(self, strict, counts=None, slot=0):
-    self.strict, self.slot = strict, slot
-    self.counts = torch.zeros(1, dtype=torch.int64) if counts is None else counts
-
-  @property
-  def count(self):
-    return int(self.counts[self.slot])
-
-  def __call__(self, message):
-    if self.strict:
-      raise utils.BadDataError(f'{message}: replace it, or drop --fail_on_bad_data to skip it')
-    self.counts[self.slot] += 1
-    shown = int(self.counts.sum())
-    if shown <= self.SHOWN:
-      more = ' (more are counted, not shown: see the count at the end)' if shown == self.SHOWN else ''
-      print(f'warning: {message}; skipped{more}', file=sys.stderr, flush=True)
-
-
 def augment(images, rng):
   """Random 32x32 crops of the images padded by 4 px and random horizontal flips, on a
   whole uint8 batch (N, H, W, C) at once: no per-image PIL work on the host."""
   n = len(images)
   padded = np.pad(images, ((0, 0), (4, 4), (4, 4), (0, 0)))
   top, left = rng.integers(0, 9, (2, n))
-  rows = top[:, None] + np.arange(SIDE)
-  cols = left[:, None] + np.arange(SIDE)
+  rows = top[:, None] + np.arange(shard_format.SIDE)
+  cols = left[:, None] + np.arange(shard_format.SIDE)
   cols = np.where(rng.random(n)[:, None] < 0.5, cols[:, ::-1], cols)
   return padded[np.arange(n)[:, None, None], rows[:, :, None], cols[:, None, :]]
 
@@ -311,7 +161,7 @@ class TrainShards(torch.utils.data.IterableDataset):
     for pass_number in itertools.count():
       shuffle = wds.shuffle(self.cfg.shuffle_buffer, initial=self.cfg.batch_size, rng=rng)
       read = 0
-      for image, label in shuffle(read_samples(rng.sample(shards, len(shards)), on_bad)):
+      for image, label in shuffle(shard_format.read_samples(rng.sample(shards, len(shards)), on_bad)):
         read += 1
         yield image, label, pass_number
       if read == 0:
@@ -321,7 +171,7 @@ class TrainShards(torch.utils.data.IterableDataset):
     info = torch.utils.data.get_worker_info()
     worker, num_workers = (info.id, info.num_workers) if info else (0, 1)
     epoch, first_step = self.epoch_and_step.tolist()
-    seed, bad = self.cfg.seed, BadData(self.cfg.fail_on_bad_data, self.counts[:, 0], worker)
+    seed, bad = self.cfg.seed, shard_format.BadData(self.cfg.fail_on_bad_data, self.counts[:, 0], worker)
     # The DataLoader takes batch i from worker i % num_workers: this worker makes its share
     # of the epoch and stops, instead of reading on for batches nobody takes. A worker whose
     # first turn falls below first_step (a resumed run) sends None there (the loader drops
@@ -365,8 +215,8 @@ def load_data(cfg, rank, world_size):
   train_loader = torch.utils.data.DataLoader(train_set, batch_size=None, **workers)
   # The test set is small (10k CIFAR images are 30 MB): every replica reads it all, once,
   # and evaluates its share, as the image-folder scripts do.
-  bad = BadData(cfg.fail_on_bad_data)
-  samples = list(read_samples(test_urls, bad))
+  bad = shard_format.BadData(cfg.fail_on_bad_data)
+  samples = list(shard_format.read_samples(test_urls, bad))
   if not samples:
     raise utils.BadDataError(f'no readable sample in the test shards {cfg.wds_testdir}')
   if bad.count:
@@ -399,7 +249,7 @@ def cifar_resnet(name, num_classes):
 
 
 # ------------------------------------------------------------------------------ loop
-def start_run(cfg, steps_per_epoch):
+def start_run(cfg, steps_per_epoch, stop_signal):
   """Model, optimizer, LR schedule, log, stop vote and results of this replica, restored from
   the newest checkpoint if there is one; run.epoch and run.step are where training goes on."""
   device = torch_xla.device()
@@ -414,16 +264,14 @@ def start_run(cfg, steps_per_epoch):
         cfg.lr_scheduler_divisor))
   writer = SummaryWriter(cfg.logdir) if cfg.logdir and xm.is_master_ordinal() else None
   run = SimpleNamespace(cfg=cfg, model=model, optimizer=optimizer, scheduler=scheduler,
-                        log=utils.StepLog(device, writer), stop=utils.StopVote(device),
-                        results=utils.new_results(cfg.model, skipped_bad_data=0,
-                                                  repeated_samples=0), epoch=1, step=0)
+                        log=utils.StepLog(device, writer), stop=utils.StopVote(device, stop_signal),
+                        stop_signal=stop_signal, epoch=1, step=0, global_step=0,
+                        results=utils.new_results(cfg.model, skipped_bad_data=0, repeated_samples=0))
   state = utils.resume(cfg.resume, cfg.ckpt_dir, (model, optimizer, scheduler), vars(cfg),
                        RESTART_FLAGS)
   if state is not None:
-    run.results, run.epoch, run.step = state['results'], state['epoch'], state['step']
-    xm.master_print(f'Run already finished: {state["path"]} is the end of epoch {run.epoch - 1} '
-                    f'(--num_epochs {cfg.num_epochs})' if run.epoch > cfg.num_epochs else
-                    f'Resumed from {state["path"]} at epoch {run.epoch} step {run.step}')
+    run.results, run.epoch, run.step, run.global_step = (state[key] for key in (
+        'results', 'epoch', 'step', 'global_step'))
   return run
 
 
@@ -439,7 +287,7 @@ def train_step(model, optimizer, scheduler, images, labels):
 
 def train_one_epoch(run, loader, epoch, first_step):
   """Trains the epoch from step first_step on; returns (steps run, whether to stop now)."""
-  cfg, results = run.cfg, run.results
+  cfg = run.cfg
   tracker = xm.RateTracker()
   run.model.train()
   steps = 0
@@ -448,14 +296,14 @@ def train_one_epoch(run, loader, epoch, first_step):
       loss = train_step(run.model, run.optimizer, run.scheduler, images, labels)
       tracker.add(cfg.batch_size)
       if step % cfg.log_steps == 0:
-        xm.add_step_closure(run.log.add, args=(epoch, step, results['train_steps'], loss, tracker,
+        xm.add_step_closure(run.log.add, args=(epoch, step, run.global_step, loss, tracker,
                                                run.optimizer.param_groups[0]['lr']))
       stopping = run.stop.agreed_after_step()  # The same answer on every replica.
     steps += 1
-    results['train_steps'] += 1
+    run.global_step += 1
     if stopping:
       return steps, True
-    if cfg.ckpt_dir and cfg.ckpt_every_steps and results['train_steps'] % cfg.ckpt_every_steps == 0:
+    if cfg.ckpt_dir and cfg.ckpt_every_steps and run.global_step % cfg.ckpt_every_steps == 0:
       save_checkpoint(run, epoch, step + 1)
   return steps, False
 
@@ -479,7 +327,7 @@ def save_checkpoint(run, epoch, step, best=False):
   replica calls it at the same step; the master writes."""
   state = dict(model=run.model.state_dict(), optimizer=run.optimizer.state_dict(),
                lr_scheduler=run.scheduler.state_dict() if run.scheduler else None, epoch=epoch,
-               step=step, global_step=run.results['train_steps'], flags=vars(run.cfg),
+               step=step, global_step=run.global_step, flags=vars(run.cfg),
                rng=dict(torch=torch.get_rng_state(), xla=xm.get_rng_state()), results=run.results)
   return utils.save_checkpoint(state, run.cfg.ckpt_dir, run.cfg.keep_checkpoints, best)
 
@@ -487,10 +335,10 @@ def save_checkpoint(run, epoch, step, best=False):
 def stop_run(run, epoch, step):
   """The end of a run stopped by SIGTERM or Ctrl-C at a step boundary: saves, says so."""
   saved = save_checkpoint(run, epoch, step) if run.cfg.ckpt_dir else None
-  name, code = utils.record_stop(run.results)
+  name, code = utils.record_stop(run.results, run.stop_signal(), run.global_step)
   xm.master_print(f'Stopped by {name} at epoch {epoch} step {step}: ' +
                   (f'saved {saved}; run the same command to resume' if saved else
-                   'nothing saved (no --ckpt_dir)') + f' (exit code {code})')
+                   'nothing saved (no --ckpt_dir)') + f' (exit code {code})', flush=True)
   return run.results
 
 
@@ -503,18 +351,19 @@ def end_epoch(run, epoch, accuracy, counts):
   results['compilations_after_epoch'].append(utils.compile_count())
   test_utils.write_to_summary(run.log.writer, epoch, {'Accuracy/test': accuracy})
   if run.cfg.metrics_debug:
-    xm.master_print(met.metrics_report())
+    xm.master_print(met.metrics_report(), flush=True)
   if run.cfg.ckpt_dir:
     save_checkpoint(run, epoch + 1, 0, best=best)
   return run.stop.agreed_at_epoch_end()
 
 
-def train(cfg):
-  """The whole run of one replica; returns the results dict that --results_json writes."""
+def train(cfg, stop_signal):
+  """The whole run of one replica; returns the results dict that --results_json writes.
+  stop_signal() is the stop signal this process got, or 0."""
   torch.manual_seed(cfg.seed)
   rank, world_size, device = xr.global_ordinal(), xr.world_size(), torch_xla.device()
   train_loader, test_loader = load_data(cfg, rank, world_size)
-  run = start_run(cfg, train_loader.num_batches)
+  run = start_run(cfg, train_loader.num_batches, stop_signal)
   results = run.results
   # The server lives as long as this reference: keep it until training ends.
   profiler = xp.start_server(cfg.profiler_port + xr.local_ordinal()) if cfg.profile else None
@@ -528,7 +377,7 @@ def train(cfg):
     # Shard order, shuffle and crops: a function of (seed, epoch); a resumed run reads the
     # batches it has trained without using them.
     train_loader.set_epoch(epoch, first_step)
-    xm.master_print(f'Epoch {epoch} train begin {test_utils.now()}')
+    xm.master_print(f'Epoch {epoch} train begin {test_utils.now()}', flush=True)
     start, executed = time.time(), utils.execute_seconds()
     steps, stopped = train_one_epoch(run, train_device_loader, epoch, first_step)
     train_loader.check()
@@ -545,14 +394,17 @@ def train(cfg):
           flush=True)
     rate = xm.mesh_reduce('epoch_rate', steps * cfg.batch_size / seconds, sum)
     results['epoch_rates'] += [rate] if steps else []
-    xm.master_print(f'Epoch {epoch} train end {test_utils.now()}, Reduced GlobalRate={rate:.2f}')
+    xm.master_print(f'Epoch {epoch} train end {test_utils.now()}, Reduced GlobalRate={rate:.2f}',
+                    flush=True)
     accuracy, *counts = evaluate(run.model, test_device_loader)
     test_loader.check()
-    xm.master_print(f'Epoch {epoch} test end {test_utils.now()}, Accuracy={accuracy:.2f}')
+    xm.master_print(f'Epoch {epoch} test end {test_utils.now()}, Accuracy={accuracy:.2f}',
+                    flush=True)
     if end_epoch(run, epoch, accuracy, counts):
       return stop_run(run, epoch + 1, 0)
   del profiler
-  return utils.finish_results(results, cfg.batch_size * world_size, run.log.writer)
+  return utils.finish_results(results, run.global_step, cfg.batch_size * world_size,
+                              run.log.writer)
 
 
 def count_data(results, counts, epoch, rank):
@@ -570,16 +422,11 @@ def count_data(results, counts, epoch, rank):
 def _mp_fn(index, flag_values):
   """One replica. flag_values is a plain dict: absl's FLAGS do not cross the spawn."""
   del index  # The global ordinal comes from the runtime.
-  utils.exit_with_launcher()
   cfg = SimpleNamespace(**flag_values)
-  try:
-    results = train(cfg)
+  with supervision.replica():  # A replica that fails ends at once, and so the whole run.
+    results = train(cfg, supervision.stop_signal)
     if xm.is_master_ordinal():
       utils.write_results(cfg.results_json, results)
-  except Exception as e:  # Ends this replica at once: the launcher then ends the others.
-    utils.replica_failed(e)
-  finally:
-    utils.end_loader_workers()
   sys.exit(utils.exit_code(results, cfg.target_accuracy))
 
 
@@ -589,14 +436,14 @@ def main(argv):
     os.environ['XLA_USE_BF16'] = '1'  # Inherited by the spawned replicas.
   # Check the inputs here, once, before any replica starts: bad input is one line, not N.
   try:
-    check_shards('wds_traindir', FLAGS.wds_traindir, FLAGS.fail_on_bad_data)
-    check_shards('wds_testdir', FLAGS.wds_testdir, FLAGS.fail_on_bad_data)
+    shard_format.check_shards('wds_traindir', FLAGS.wds_traindir, FLAGS.fail_on_bad_data)
+    shard_format.check_shards('wds_testdir', FLAGS.wds_testdir, FLAGS.fail_on_bad_data)
     utils.check_outputs(FLAGS.ckpt_dir, FLAGS.logdir, FLAGS.results_json)
   except utils.UsageError as e:
     utils.die(e)
   # SIGTERM and Ctrl-C stop every replica after a step; one replica that fails (or a second
   # Ctrl-C) ends them all at once: see run_watched.
-  with utils.run_watched(launcher=FLAGS.num_cores != 1):
+  with supervision.run_watched(launcher=FLAGS.num_cores != 1):
     torch_xla.launch(_mp_fn, args=(FLAGS.flag_values_dict(),),
                      debug_single_process=FLAGS.num_cores == 1)
 
@@ -608,4 +455,4 @@ if __name__ == '__main__':
 elif __name__ == '__mp_main__':
   # A replica process of torch_xla.launch imports this file in its main thread, the only
   # one that may catch a signal; train() runs in another thread.
-  utils.stop_on_signals()
+  supervision.stop_on_signals()

@@ -1,24 +1,18 @@
-"""What the training scripts share: one-line errors, image folders, the split of work
-across replicas, the training log and results, checkpoints and the stop on SIGTERM.
+"""What the training loops share: one-line errors, image folders, the split of work across
+replicas, the training log and results, checkpoints, and the stop agreed by every replica.
 Nothing here reads FLAGS or holds a script's choices: a script copied out with this file
-beside it still works."""
+beside it still works (with supervision.py, or without it: see there)."""
 
 import collections
 import concurrent.futures
-import contextlib
 import io
 import itertools
 import json
-import multiprocessing
 import os
 import pickle
 import re
-import select
 import signal
 import sys
-import threading
-import time
-import traceback
 import zipfile
 
 import fsspec
@@ -261,18 +255,18 @@ def compile_count():
 
 def new_results(model, **extra):
   """The numbers a run adds up as it goes, which --results_json writes (see the README)."""
-  return dict(dict(model=model, world_size=xr.world_size(), epochs=0, train_steps=0,
-                   max_accuracy=0.0, final_accuracy=0.0, eval_correct=0, eval_samples=0,
-                   epoch_rates=[], epoch_device_busy=[], compilations_after_epoch=[],
+  return dict(dict(model=model, world_size=xr.world_size(), epochs=0, max_accuracy=0.0,
+                   final_accuracy=0.0, eval_correct=0, eval_samples=0, epoch_rates=[], epoch_device_busy=[], compilations_after_epoch=[],
                    train_seconds=0.0, bf16=os.environ.get('XLA_USE_BF16') == '1'), **extra)
 
 
-def finish_results(results, samples_per_step, writer):
+def finish_results(results, global_step, samples_per_step, writer):
   """Adds the run's totals to its results and closes the TensorBoard writer (if any); the
   master prints the last two lines."""
   if writer is not None:
     writer.close()
-  results['train_samples'] = results['train_steps'] * samples_per_step
+  results['train_steps'] = global_step
+  results['train_samples'] = global_step * samples_per_step
   results['global_rate'] = results['train_samples'] / max(results['train_seconds'], 1e-9)
   results['compilations'] = compile_count()
   xm.master_print(f'Total train time: {results["train_seconds"]:.1f} s', flush=True)
@@ -459,9 +453,9 @@ def check_same_model(model, state, path):
 
 def resume(resume_path, ckpt_dir, training, flag_values, restart_flags):
   """Restores training = (model, optimizer, scheduler or None) and the RNGs from resume_path,
-  else from the newest readable checkpoint in ckpt_dir; returns that checkpoint (with its
-  'path'), or None. Flags that differ from the checkpoint's, but for restart_flags (which
-  do not change what is computed), are named in a warning line."""
+  else from the newest readable checkpoint in ckpt_dir; returns that checkpoint, or None,
+  and says which. Flags that differ from the checkpoint's, but for restart_flags (which do
+  not change what is computed), are named in a warning line."""
   path, state = find_checkpoint(resume_path, ckpt_dir)
   if state is None:
     return None
@@ -479,168 +473,24 @@ def resume(resume_path, ckpt_dir, training, flag_values, restart_flags):
   if changed:
     xm.master_print(f'warning: resuming {path} with other flags ({"; ".join(changed)}): the '
                     'run will differ from one never interrupted', fd=sys.stderr, flush=True)
-  return dict(state, path=path)
+  epoch, num_epochs = state['epoch'], flag_values['num_epochs']
+  xm.master_print(f'Run already finished: {path} is the end of epoch {epoch - 1} (--num_epochs '
+                  f'{num_epochs})' if epoch > num_epochs else
+                  f'Resumed from {path} at epoch {epoch} step {state["step"]}', flush=True)
+  return state
 
 
-# ------------------------------------------------------------------ stopping, failing
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
-# The first SIGTERM or SIGINT this process got, or 0. A plain value: a handler takes no
-# lock, since a second signal (a launcher passing one on) can run it inside the first.
-_stop_signal = 0
-_replicas = {}  # pid: multiprocessing.Process of every replica seen, alive or not.
-_ending = threading.RLock()  # Held by the thread that ends the run (a handler may re-enter).
-
-
-def stop_on_signals():
-  """In a replica: SIGTERM (a TPU VM's notice of maintenance or preemption) and SIGINT
-  (Ctrl-C) become a request to stop after the current step. Only a main thread may install
-  a handler, so a replica calls this while it imports the script."""
-  for signum in STOP_SIGNALS:
-    signal.signal(signum, _on_stop_signal)
-
-
-def _on_stop_signal(signum, frame):
-  global _stop_signal
-  _stop_signal = _stop_signal or signum
-
-
-@contextlib.contextmanager
-def run_watched(launcher):
-  """In the process the user started, around the run: a thread of its own takes SIGTERM and
-  SIGINT, so that it acts at once even while the main thread is busy in XLA (compiling,
-  say). The first asks for a stop after the current step, a second Ctrl-C ends the run at
-  once. A launcher passes them on to its replicas (`kill PID` reaches it alone), and the
-  same thread watches them: torch_xla.launch waits for replica 0 first, and would wait
-  forever for a run whose other replica failed, so when one ends with an error or a signal
-  (the OOM killer's, say) the thread kills the others and their loader workers and exits
-  with that code (128 + N for signal N)."""
-  wakeup_read, wakeup_write = os.pipe()
-  os.set_blocking(wakeup_write, False)
-  for signum in STOP_SIGNALS:
-    signal.signal(signum, lambda signum, frame: None)  # The watch thread acts on them.
-  signal.set_wakeup_fd(wakeup_write)
-  threading.Thread(target=_watch, args=(wakeup_read, launcher), daemon=True).start()
-  try:
-    yield
-  except concurrent.futures.process.BrokenProcessPool:  # A replica died: the watch says how.
-    for _ in range(50):
-      _check_replicas()
-      time.sleep(0.1)
-    _end_run(1, 'error: a replica process ended abruptly; ended the other replicas')
-
-
-def _watch(wakeup, launcher):
-  global _stop_signal
-  while True:
-    if select.select([wakeup], [], [], 0.2)[0]:
-      for signum in os.read(wakeup, 64):
-        if signum == signal.SIGINT and _stop_signal:
-          _end_run(EXIT_INTERRUPTED, 'Stopped at once by a second Ctrl-C: nothing saved since '
-                   f'the last checkpoint (exit code {EXIT_INTERRUPTED})')
-        _stop_signal = _stop_signal or signum
-        if launcher:  # To the replicas, started or starting; multiprocessing's resource
-          # tracker, the other child, ignores both.
-          replicas = _children_of()[os.getpid()]
-          if not replicas:  # None has started: nothing to save, and none may start now.
-            _end_run(128 + signum, None)
-          for pid in replicas:
-            os.kill(pid, signum)
-    if launcher:
-      _check_replicas()
-
-
-def stop_requested():
-  return _stop_signal != 0
-
-
-def record_stop(results):
-  """Marks results as stopped by a signal; returns (what stopped the run, the exit code)."""
-  if _stop_signal == signal.SIGINT:
+# ------------------------------------------------------------------------- stopping
+def record_stop(results, signum, global_step=None):
+  """Marks results as stopped by the stop signal this process got (SIGTERM here or on another
+  replica, or SIGINT) after global_step steps; returns (what stopped it, the exit code)."""
+  if global_step is not None:
+    results['train_steps'] = global_step
+  if signum == signal.SIGINT:
     results['interrupted'] = True
     return 'Ctrl-C (SIGINT)', EXIT_INTERRUPTED
-  results['preempted'] = True  # SIGTERM here, or on another replica.
+  results['preempted'] = True
   return 'SIGTERM', EXIT_PREEMPTED
-
-
-def replica_failed(error):
-  """In a replica: ends this process at once after one `error:` line (exit code 2) or, for a
-  bug, a traceback (exit code 1), so that its launcher sees it and ends the others, which
-  would wait in their next collective forever (pytorch/xla#7974)."""
-  said = isinstance(error, (UsageError, BadDataError))
-  if said:
-    where = f'replica {xr.global_ordinal()}: ' if xr.world_size() > 1 else ''
-    print(f'error: {where}{error}', file=sys.stderr, flush=True)
-  else:
-    traceback.print_exception(error)
-  end_loader_workers()
-  sys.stdout.flush()
-  sys.stderr.flush()
-  os._exit(2 if said else 1)
-
-
-def _check_replicas():
-  for process in multiprocessing.active_children():
-    _replicas.setdefault(process.pid, process)
-  ended = [(pid, process.exitcode) for pid, process in _replicas.items()
-           if process.exitcode not in (None, 0)]
-  # First one that said why in its `error:` line, last those that the pool, once broken,
-  # ended with SIGTERM (replicas still importing have no handler for it yet).
-  for pid, code in sorted(ended, key=lambda ended: (ended[1] != 2, ended[1] == -signal.SIGTERM)):
-    if code == 2:
-      _end_run(2, None)
-    if _stop_signal:  # During a stop: one still importing dies of the signal, say.
-      name, stop_code = record_stop({})
-      _end_run(stop_code, f'Stopped by {name}: replica process {pid} ended before it saved '
-               f'anything; run the same command to go on from the last checkpoint (exit code '
-               f'{stop_code})')
-    cause = f'was killed by {signal.Signals(-code).name}' if code < 0 else f'failed (exit code {code})'
-    _end_run(128 - code if code < 0 else code,
-             f'error: replica process {pid} {cause}; ended the other replicas')
-
-
-def _end_run(code, message):
-  """Kills every process this one started (replicas, loader workers), says why, exits."""
-  with _ending:  # The first caller ends the process while holding it.
-    for pid in _descendants(os.getpid()):
-      try:
-        os.kill(pid, signal.SIGKILL)
-      except ProcessLookupError:
-        pass
-    if message:
-      print(message, file=sys.stderr if message.startswith('error:') else sys.stdout, flush=True)
-    os._exit(code)
-
-
-def _children_of():
-  """{pid: [its child processes]} from Linux's /proc."""
-  children = collections.defaultdict(list)
-  for entry in filter(str.isdigit, os.listdir('/proc')):
-    try:
-      with open(f'/proc/{entry}/stat') as f:
-        children[int(f.read().rsplit(')', 1)[1].split()[1])].append(int(entry))
-    except (OSError, IndexError, ValueError):
-      pass  # Gone meanwhile.
-  return children
-
-
-def _descendants(pid):
-  """The processes below pid."""
-  children = _children_of()
-  found, todo = [], [pid]
-  while todo:
-    below = children[todo.pop()]
-    found += below
-    todo += below
-  return found
-
-
-def exit_with_launcher():
-  """In a replica (from _mp_fn, once the launcher is known): exit when the launcher is
-  gone. One killed by SIGKILL cannot stop its replicas, which would hold the TPU."""
-  launcher = multiprocessing.parent_process()
-  if launcher is not None:
-    threading.Thread(target=lambda: launcher.join() or os._exit(128 + signal.SIGKILL),
-                     daemon=True).start()
 
 
 class StopVote:
@@ -649,7 +499,7 @@ class StopVote:
   computed."""
   LAG = 2
 
-  def __init__(self, device, mesh=None):
+  def __init__(self, device, stop_signal, mesh=None):
     # Two device buffers, copied once: a step passes one, with no transfer per step. Not
     # scalars, which torch_xla would turn into constants, a graph of their own.
     if mesh is None:  # One process per device: the replicas all-reduce their flags.
@@ -662,16 +512,16 @@ class StopVote:
                          for flag in (0, 1))
       self.sum = torch.sum
       self.sum(self.flags[0]).item()  # Compiles the epoch end's vote before epoch 1 ends.
-    self.mesh, self.votes = mesh, collections.deque()
+    self.stop_signal, self.mesh, self.votes = stop_signal, mesh, collections.deque()
 
   def agreed_after_step(self):
     """True when every replica stops after this step; call it once per step."""
-    self.votes.append(self.sum(self.flags[stop_requested()]))
+    self.votes.append(self.sum(self.flags[self.stop_signal() != 0]))
     return len(self.votes) > self.LAG and self.votes.popleft().item() > 0
 
   def agreed_at_epoch_end(self):
     """True when any replica asked to stop during the last steps or since."""
-    pending = any(vote.item() > 0 for vote in self.votes) or stop_requested()
+    pending = any(vote.item() > 0 for vote in self.votes) or self.stop_signal() != 0
     self.votes.clear()
     if self.mesh is not None:
       return self.sum(self.flags[pending]).item() > 0
@@ -683,11 +533,3 @@ def ignore_stop_signals(worker_id=None):
   all processes, so that the step in flight can finish and save."""
   signal.signal(signal.SIGTERM, signal.SIG_IGN)
   signal.signal(signal.SIGINT, signal.SIG_IGN)
-
-
-def end_loader_workers():
-  """Kills this process's loader workers still alive: they ignore the SIGTERM that
-  multiprocessing's exit sends before waiting for them."""
-  for process in multiprocessing.active_children():
-    process.kill()
-    process.join()

@@ -1,0 +1,195 @@
+"""Stops and failures of the processes of a run: SIGTERM (a TPU VM's notice of maintenance
+or preemption) and Ctrl-C become a stop after the current step, a second Ctrl-C ends the
+run at once, and a replica that fails ends the others instead of leaving them waiting in a
+collective. Only a script's `main`, `_mp_fn` and its `__mp_main__` line use this module.
+
+Under torchrun or a launcher of your own, which forwards signals and ends the other
+workers itself, a copied script can do without it: drop its import, the `with
+supervision.replica():` line of `_mp_fn` (and unindent its body), the `with
+supervision.run_watched(...)` line of `main`, the `stop_on_signals()` line at the end, and
+pass `lambda: 0` where `supervision.stop_signal` is passed (no stop is then ever asked for).
+"""
+
+import collections
+import concurrent.futures
+import contextlib
+import multiprocessing
+import os
+import select
+import signal
+import sys
+import threading
+import time
+import traceback
+
+import torch_xla.runtime as xr
+
+import utils
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+# The first SIGTERM or SIGINT this process got, or 0. A plain value: a handler takes no
+# lock, since a second signal (a launcher passing one on) can run it inside the first.
+_stop_signal = 0
+_replicas = {}  # pid: multiprocessing.Process of every replica seen, alive or not.
+_ending = threading.RLock()  # Held by the thread that ends the run (a handler may re-enter).
+
+
+def stop_signal():
+  """The first stop signal this process got (SIGTERM or SIGINT), or 0."""
+  return _stop_signal
+
+
+def stop_on_signals():
+  """In a replica: SIGTERM and SIGINT become a request to stop after the current step. Only
+  a main thread may install a handler, so a replica calls this while it imports the script."""
+  for signum in STOP_SIGNALS:
+    signal.signal(signum, _on_stop_signal)
+
+
+def _on_stop_signal(signum, frame):
+  global _stop_signal
+  _stop_signal = _stop_signal or signum
+
+
+@contextlib.contextmanager
+def run_watched(launcher):
+  """In the process the user started, around the run: a thread of its own takes SIGTERM and
+  SIGINT, so that it acts at once even while the main thread is busy in XLA (compiling,
+  say). The first asks for a stop after the current step, a second Ctrl-C ends the run at
+  once. A launcher passes them on to its replicas (`kill PID` reaches it alone), and the
+  same thread watches them: torch_xla.launch waits for replica 0 first, and would wait
+  forever for a run whose other replica failed, so when one ends with an error or a signal
+  (the OOM killer's, say) the thread kills the others and their loader workers and exits
+  with that code (128 + N for signal N)."""
+  wakeup_read, wakeup_write = os.pipe()
+  os.set_blocking(wakeup_write, False)
+  for signum in STOP_SIGNALS:
+    signal.signal(signum, lambda signum, frame: None)  # The watch thread acts on them.
+  signal.set_wakeup_fd(wakeup_write)
+  threading.Thread(target=_watch, args=(wakeup_read, launcher), daemon=True).start()
+  try:
+    yield
+  except concurrent.futures.process.BrokenProcessPool:  # A replica died: the watch says how.
+    for _ in range(50):
+      _check_replicas()
+      time.sleep(0.1)
+    _end_run(1, 'error: a replica process ended abruptly; ended the other replicas')
+  finally:
+    end_loader_workers()
+
+
+def _watch(wakeup, launcher):
+  global _stop_signal
+  while True:
+    if select.select([wakeup], [], [], 0.2)[0]:
+      for signum in os.read(wakeup, 64):
+        if signum == signal.SIGINT and _stop_signal:
+          _end_run(utils.EXIT_INTERRUPTED, 'Stopped at once by a second Ctrl-C: nothing saved '
+                   f'since the last checkpoint (exit code {utils.EXIT_INTERRUPTED})')
+        _stop_signal = _stop_signal or signum
+        if launcher:  # To the replicas, started or starting; multiprocessing's resource
+          # tracker, the other child, ignores both.
+          replicas = _children_of()[os.getpid()]
+          if not replicas:  # None has started: nothing to save, and none may start now.
+            _end_run(128 + signum, None)
+          for pid in replicas:
+            os.kill(pid, signum)
+    if launcher:
+      _check_replicas()
+
+
+@contextlib.contextmanager
+def replica():
+  """Around a replica's work (in _mp_fn): the replica exits when its launcher is gone (one
+  killed by SIGKILL cannot stop its replicas, which would hold the TPU), and an exception
+  ends it at once after one `error:` line (exit code 2) or, for a bug, a traceback (exit
+  code 1), so that the launcher sees it and ends the others, which would wait in their
+  next collective forever (pytorch/xla#7974)."""
+  launcher = multiprocessing.parent_process()
+  if launcher is not None:
+    threading.Thread(target=lambda: launcher.join() or os._exit(128 + signal.SIGKILL),
+                     daemon=True).start()
+  try:
+    yield
+  except Exception as error:
+    replica_failed(error)
+  finally:
+    end_loader_workers()
+
+
+def replica_failed(error):
+  """Ends this replica at once, saying why (see replica)."""
+  said = isinstance(error, (utils.UsageError, utils.BadDataError))
+  if said:
+    where = f'replica {xr.global_ordinal()}: ' if xr.world_size() > 1 else ''
+    print(f'error: {where}{error}', file=sys.stderr, flush=True)
+  else:
+    traceback.print_exception(error)
+  end_loader_workers()
+  sys.stdout.flush()
+  sys.stderr.flush()
+  os._exit(2 if said else 1)
+
+
+def _check_replicas():
+  for process in multiprocessing.active_children():
+    _replicas.setdefault(process.pid, process)
+  ended = [(pid, process.exitcode) for pid, process in _replicas.items()
+           if process.exitcode not in (None, 0)]
+  # First one that said why in its `error:` line, last those that the pool, once broken,
+  # ended with SIGTERM (replicas still importing have no handler for it yet).
+  for pid, code in sorted(ended, key=lambda ended: (ended[1] != 2, ended[1] == -signal.SIGTERM)):
+    if code == 2:
+      _end_run(2, None)
+    if _stop_signal:  # During a stop: one still importing dies of the signal, say.
+      name, stop_code = utils.record_stop({}, _stop_signal)
+      _end_run(stop_code, f'Stopped by {name}: replica process {pid} ended before it saved '
+               f'anything; run the same command to go on from the last checkpoint (exit code '
+               f'{stop_code})')
+    cause = f'was killed by {signal.Signals(-code).name}' if code < 0 else f'failed (exit code {code})'
+    _end_run(128 - code if code < 0 else code,
+             f'error: replica process {pid} {cause}; ended the other replicas')
+
+
+def _end_run(code, message):
+  """Kills every process this one started (replicas, loader workers), says why, exits."""
+  with _ending:  # The first caller ends the process while holding it.
+    for pid in _descendants(os.getpid()):
+      try:
+        os.kill(pid, signal.SIGKILL)
+      except ProcessLookupError:
+        pass
+    if message:
+      print(message, file=sys.stderr if message.startswith('error:') else sys.stdout, flush=True)
+    os._exit(code)
+
+
+def _children_of():
+  """{pid: [its child processes]} from Linux's /proc."""
+  children = collections.defaultdict(list)
+  for entry in filter(str.isdigit, os.listdir('/proc')):
+    try:
+      with open(f'/proc/{entry}/stat') as f:
+        children[int(f.read().rsplit(')', 1)[1].split()[1])].append(int(entry))
+    except (OSError, IndexError, ValueError):
+      pass  # Gone meanwhile.
+  return children
+
+
+def _descendants(pid):
+  """The processes below pid."""
+  children = _children_of()
+  found, todo = [], [pid]
+  while todo:
+    below = children[todo.pop()]
+    found += below
+    todo += below
+  return found
+
+
+def end_loader_workers():
+  """Kills this process's loader workers still alive: they ignore the SIGTERM that
+  multiprocessing's exit sends before waiting for them (see utils.ignore_stop_signals)."""
+  for process in multiprocessing.active_children():
+    process.kill()
+    process.join()
