@@ -21,6 +21,7 @@ import fsspec
 import numpy as np
 from absl import app, flags
 
+import image_folders
 import shard_format
 import utils
 
@@ -77,14 +78,14 @@ def read_cifar_python(folder):
 
 def read_image_folder(root):
   """The same from DIR/train/CLASS/*.png and DIR/test/CLASS/*.png (class folders sorted)."""
-  classes = utils.check_image_folders(root, ('train', 'test'))
+  classes = image_folders.check(root, ('train', 'test'))
 
   def split(name):
     images, labels = [], []
     for label, cls in enumerate(classes):
       for entry in sorted(os.scandir(os.path.join(root, name, cls)), key=lambda e: e.name):
-        if entry.is_file() and entry.name.lower().endswith(utils.IMG_EXTENSIONS):
-          image = np.asarray(utils.load_image(entry.path))
+        if entry.is_file() and entry.name.lower().endswith(image_folders.IMG_EXTENSIONS):
+          image = np.asarray(image_folders.load_image(entry.path))
           if image.shape != (shard_format.SIDE, shard_format.SIDE, 3):
             raise utils.UsageError(f'{entry.path} is {image.shape[1]}x{image.shape[0]}: '
                                    'CIFAR shards hold 32x32 images')

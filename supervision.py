@@ -1,13 +1,12 @@
 """Stops and failures of the processes of a run: SIGTERM (a TPU VM's notice of maintenance
 or preemption) and Ctrl-C become a stop after the current step, a second Ctrl-C ends the
 run at once, and a replica that fails ends the others instead of leaving them waiting in a
-collective. Only a script's `main`, `_mp_fn` and its `__mp_main__` line use this module.
+collective. Only a script's `main`, `_mp_fn` and `__mp_main__` block use this module.
 
-Under torchrun or a launcher of your own, which forwards signals and ends the other
-workers itself, a copied script can do without it: drop its import, the `with
-supervision.replica():` line of `_mp_fn` (and unindent its body), the `with
-supervision.run_watched(...)` line of `main`, the `stop_on_signals()` line at the end, and
-pass `lambda: 0` where `supervision.stop_signal` is passed (no stop is then ever asked for).
+Under torchrun or a launcher of your own, which passes signals on and ends the other
+workers itself, a copied script can do without it: take out its import, the `with
+supervision...:` lines (and unindent what they hold) and the `__mp_main__` block, and pass
+`lambda: 0` (no stop is ever asked for) where `supervision.stop_signal` is passed.
 """
 
 import collections
@@ -142,7 +141,7 @@ def _check_replicas():
     if code == 2:
       _end_run(2, None)
     if _stop_signal:  # During a stop: one still importing dies of the signal, say.
-      name, stop_code = utils.record_stop({}, _stop_signal)
+      name, stop_code = utils.record_stop({}, _stop_signal, 0)
       _end_run(stop_code, f'Stopped by {name}: replica process {pid} ended before it saved '
                f'anything; run the same command to go on from the last checkpoint (exit code '
                f'{stop_code})')

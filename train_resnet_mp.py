@@ -1,19 +1,14 @@
 """Data-parallel training of a torchvision classifier on every XLA device of a host or pod.
 
 One process per local device (8 TPU cores of a v2/v3-8, 4 chips of a v4-8, ...), each
-training on its share of the data; xm.optimizer_step sums the gradients over all
-replicas. Run the same command on every worker of a pod and it trains on all hosts.
-Data is an ImageNet-style folder (--datadir DIR with DIR/train/CLASS/*.jpg and
-DIR/val/CLASS/*.jpg) or constant fake batches (--fake_data), as in pytorch/xla's
-test_train_mp_imagenet.py.
+training on its share of an ImageNet-style folder (--datadir) or of constant fake batches
+(--fake_data); xm.optimizer_step sums the gradients over all replicas. Run the same
+command on every worker of a pod and it trains on all hosts. With --ckpt_dir, the same
+command started again goes on exactly where the last one stopped. SIGTERM (Ctrl-C): every
+replica finishes the same step, the master saves, exit code 75 (130).
 
   python train_resnet_mp.py --fake_data --model resnet18 --img_dim 32 \
       --batch_size 16 --num_epochs 2 --num_steps 40 --log_steps 10
-
-With --ckpt_dir the run saves its whole state and, started again with the same command,
-goes on from the newest checkpoint exactly where it stopped. On SIGTERM (or Ctrl-C)
-every replica finishes the same step, the master saves, and the command exits with code
-75 (130). A replica that fails ends the whole command with its exit code.
 """
 
 import os
@@ -35,6 +30,8 @@ import torchvision
 from absl import app, flags
 from torch.utils.tensorboard import SummaryWriter
 
+import checkpoints
+import image_folders
 import supervision
 import utils
 
@@ -43,15 +40,14 @@ flags.DEFINE_bool('fake_data', False, 'Train on constant fake batches instead of
 flags.DEFINE_string('datadir', None, 'ImageNet-style folder: DIR/train/CLASS/*.jpg, DIR/val/CLASS/*.jpg.')
 flags.DEFINE_string('model', 'resnet50', 'Any torchvision classification model, e.g. resnet18.')
 flags.DEFINE_integer('img_dim', 224, 'Image side in pixels; small values make CPU runs fast.', lower_bound=8)
-flags.DEFINE_integer('num_cores', None, 'Unset: one process per local device. 1: a single process, '
-                     'for debugging.', lower_bound=1, upper_bound=1)
+flags.DEFINE_integer('num_cores', None, '1: one process, to debug (unset: one per local device).',
+                     lower_bound=1, upper_bound=1)
 flags.DEFINE_integer('batch_size', 128, 'Training batch size of each replica.', lower_bound=1)
 flags.DEFINE_integer('test_set_batch_size', 64, 'Evaluation batch size of each replica.', lower_bound=1)
 flags.DEFINE_integer('num_epochs', 18, 'Number of epochs.', lower_bound=1)
 flags.DEFINE_integer('num_steps', None, 'Cap on training and evaluation steps per epoch.', lower_bound=1)
 flags.DEFINE_integer('log_steps', 20, 'Print a training line every this many steps.', lower_bound=1)
-flags.DEFINE_float('lr', None, 'Peak SGD learning rate (default: 0.5 for resnet50, else 0.1).',
-                   lower_bound=0.0)
+flags.DEFINE_float('lr', None, 'Peak SGD LR (default: 0.5 for resnet50, else 0.1).', lower_bound=0.0)
 flags.DEFINE_enum('lr_scheduler_type', None, ['WarmupAndExponentialDecayScheduler', 'none'],
                   'Default: WarmupAndExponentialDecayScheduler for resnet50, else none.')
 flags.DEFINE_float('lr_warmup_epochs', 0.9, 'Epochs of linear warm-up from 0.', lower_bound=0.0)
@@ -60,11 +56,9 @@ flags.DEFINE_float('lr_scheduler_divisor', 5, 'What the LR is divided by.', lowe
 flags.DEFINE_float('momentum', 0.9, 'SGD momentum.', lower_bound=0.0)
 flags.DEFINE_float('weight_decay', 1e-4, 'SGD weight decay.', lower_bound=0.0)
 flags.DEFINE_integer('seed', 42, 'Seed of the weights and of the data order.')
-flags.DEFINE_bool('drop_last', True, 'Drop the last partial training batch (its new shape '
-                  'would compile a new graph). Evaluation always counts every image.')
+flags.DEFINE_bool('drop_last', True, 'Drop the last partial training batch (a new shape compiles).')
 flags.DEFINE_integer('num_workers', 8, 'DataLoader worker processes per replica.', lower_bound=0)
-flags.DEFINE_bool('persistent_workers', True, 'Keep DataLoader workers between epochs '
-                  '(--nopersistent_workers: start them anew each epoch).')
+flags.DEFINE_bool('persistent_workers', True, 'Keep DataLoader workers from epoch to epoch.')
 flags.DEFINE_integer('prefetch_factor', None, 'Batches each loader worker loads ahead.', lower_bound=1)
 flags.DEFINE_integer('loader_prefetch_size', 8, 'Host batches MpDeviceLoader queues.', lower_bound=1)
 flags.DEFINE_integer('device_prefetch_size', 4, 'Device batches MpDeviceLoader queues.', lower_bound=1)
@@ -74,13 +68,10 @@ flags.DEFINE_float('target_accuracy', 0.0, 'Exit with code 21 if the final accur
 flags.DEFINE_string('logdir', None, 'TensorBoard folder for loss, rate, lr and accuracy (master only).')
 flags.DEFINE_bool('metrics_debug', False, "Print torch_xla's metrics report after each epoch.")
 flags.DEFINE_bool('profile', False, 'Start the profiler server so TensorBoard can capture a trace.')
-flags.DEFINE_integer('profiler_port', 9012, 'Profiler server port of the first local replica; '
-                     'replica i of a host listens on port + i.')
+flags.DEFINE_integer('profiler_port', 9012, 'Profiler port of local replica 0 (replica i: + i).')
 flags.DEFINE_string('results_json', None, 'Write accuracy, rates and compile counts here at exit.')
-flags.DEFINE_string('ckpt_dir', None, 'Save checkpoints here and resume from the newest one when '
-                    'started again: a local path, or on a pod a URL every host reads (gs://...).')
-flags.DEFINE_integer('ckpt_every_steps', None, 'Also save every N steps, not only at epoch ends.',
-                     lower_bound=1)
+flags.DEFINE_string('ckpt_dir', None, 'Save checkpoints here, resume from the newest (pod: gs://...).')
+flags.DEFINE_integer('ckpt_every_steps', None, 'Also save every N steps.', lower_bound=1)
 flags.DEFINE_integer('keep_checkpoints', 2, 'Checkpoints kept, besides best.pt.', lower_bound=1)
 flags.DEFINE_string('resume', None, 'Resume from this checkpoint instead of the newest in --ckpt_dir.')
 flags.register_validator('model', lambda name: name in torchvision.models.list_models(
@@ -110,15 +101,14 @@ def load_data(cfg, rank, world_size):
       return utils.EpochLoader(xu.SampleGenerator(batch, samples // world_size // batch_size), cap)
     return (fake(cfg.batch_size, FAKE_TRAIN_SAMPLES),
             fake(cfg.test_set_batch_size, FAKE_TEST_SAMPLES), FAKE_CLASSES)
-  train_set = utils.image_folder(os.path.join(cfg.datadir, 'train'), cfg.img_dim, train=True)
-  test_set = utils.image_folder(os.path.join(cfg.datadir, 'val'), cfg.img_dim, train=False)
+  train_set = image_folders.load(os.path.join(cfg.datadir, 'train'), cfg.img_dim, train=True)
+  test_set = image_folders.load(os.path.join(cfg.datadir, 'val'), cfg.img_dim, train=False)
   # The order is a function of (seed, epoch) and each image is cropped by its own seed, so a
   # resumed run sees the very batches an uninterrupted one would.
   sampler = utils.EpochSampler(train_set, rank, world_size, cfg.seed, cfg.batch_size)
   workers = dict(num_workers=cfg.num_workers, worker_init_fn=utils.ignore_stop_signals)
   if cfg.num_workers:  # torch 2.9 raises on these without workers.
     workers.update(persistent_workers=cfg.persistent_workers, prefetch_factor=cfg.prefetch_factor)
-  # Every replica's share has the same length, so every replica has the same batches.
   train_loader = torch.utils.data.DataLoader(utils.SeededSamples(train_set), cfg.batch_size,
                                              sampler=sampler, drop_last=cfg.drop_last, **workers)
   if len(train_loader) == 0:
@@ -150,11 +140,10 @@ def start_run(cfg, num_classes, steps_per_epoch, stop_signal):
                         log=utils.StepLog(device, writer), stop=utils.StopVote(device, stop_signal),
                         stop_signal=stop_signal, results=utils.new_results(cfg.model), epoch=1,
                         step=0, global_step=0)
-  state = utils.resume(cfg.resume, cfg.ckpt_dir, (model, optimizer, scheduler), vars(cfg),
-                       RESTART_FLAGS)
+  state = checkpoints.resume(cfg.resume, cfg.ckpt_dir, (model, optimizer, scheduler),
+                             vars(cfg), RESTART_FLAGS)
   if state is not None:
-    run.results, run.epoch, run.step, run.global_step = (state[key] for key in (
-        'results', 'epoch', 'step', 'global_step'))
+    vars(run).update({key: state[key] for key in ('results', 'epoch', 'step', 'global_step')})
   return run
 
 
@@ -212,7 +201,7 @@ def save_checkpoint(run, epoch, step, best=False):
                lr_scheduler=run.scheduler.state_dict() if run.scheduler else None, epoch=epoch,
                step=step, global_step=run.global_step, flags=vars(run.cfg),
                rng=dict(torch=torch.get_rng_state(), xla=xm.get_rng_state()), results=run.results)
-  return utils.save_checkpoint(state, run.cfg.ckpt_dir, run.cfg.keep_checkpoints, best)
+  return checkpoints.save(state, run.cfg.ckpt_dir, run.cfg.keep_checkpoints, best)
 
 
 def stop_run(run, epoch, step):
@@ -241,8 +230,7 @@ def end_epoch(run, epoch, accuracy, counts):
 
 
 def train(cfg, stop_signal):
-  """The whole run of one replica; returns the results dict that --results_json writes.
-  stop_signal() is the stop signal this process got, or 0."""
+  """One replica's run (stop_signal(): the signal it got, or 0); returns its results."""
   torch.manual_seed(cfg.seed)
   rank, world_size, device = xr.global_ordinal(), xr.world_size(), torch_xla.device()
   train_loader, test_loader, num_classes = load_data(cfg, rank, world_size)
@@ -312,12 +300,11 @@ def main(argv):
       raise utils.UsageError('give --datadir DIR (DIR/train/CLASS/*.jpg, DIR/val/CLASS/*.jpg) '
                              'or --fake_data')
     if not FLAGS.fake_data:
-      utils.check_image_folders(FLAGS.datadir, ('train', 'val'))
+      image_folders.check(FLAGS.datadir, ('train', 'val'))
     utils.check_outputs(FLAGS.ckpt_dir, FLAGS.logdir, FLAGS.results_json)
   except utils.UsageError as e:
     utils.die(e)
-  # SIGTERM and Ctrl-C stop every replica after a step; one replica that fails (or a second
-  # Ctrl-C) ends them all at once: see run_watched.
+  # A stop signal stops every replica after a step; a failing one ends them all: see there.
   with supervision.run_watched(launcher=FLAGS.num_cores != 1):
     torch_xla.launch(_mp_fn, args=(flag_values,), debug_single_process=FLAGS.num_cores == 1)
 
@@ -325,6 +312,5 @@ def main(argv):
 if __name__ == '__main__':
   app.run(main, flags_parser=utils.parse_flags)
 elif __name__ == '__mp_main__':
-  # A replica process of torch_xla.launch imports this file in its main thread, the only
-  # one that may catch a signal; train() runs in another thread.
+  # A replica imports this file in its main thread, the only one that may catch a signal.
   supervision.stop_on_signals()

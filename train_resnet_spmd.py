@@ -3,21 +3,19 @@ host or pod, from ONE process per host.
 
 xr.use_spmd() makes the devices of all hosts one mesh; each batch is sharded over it along
 its first dimension ('data') and the model is replicated, so XLA compiles one program for
-all devices and inserts the gradient all-reduce itself: a plain optimizer.step(), and
-BatchNorm statistics over the global batch. Run the same command on every worker of a pod:
-each host loads only its part of each global batch. Data is an ImageNet-style folder
-(--datadir DIR with DIR/train/CLASS/*.jpg and DIR/val/CLASS/*.jpg) or constant fake batches
-(--fake_data). Without a TPU, CPU_NUM_DEVICES=4 gives four XLA:CPU devices.
+all devices and inserts the gradient all-reduce itself (a plain optimizer.step(); BatchNorm
+statistics over the global batch). Run the same command on every worker of a pod: each
+host loads only its part of each global batch, from an ImageNet-style folder (--datadir) or
+constant fake batches (--fake_data). Without a TPU, CPU_NUM_DEVICES=4 gives four XLA:CPU
+devices. With --ckpt_dir, the same command started again goes on exactly where the last one
+stopped. SIGTERM (Ctrl-C) on any host: every host finishes the same step, process 0 saves,
+exit code 75 (130).
 
   python train_resnet_spmd.py --fake_data --model resnet18 --img_dim 32 \
       --batch_size 16 --num_epochs 2 --num_steps 40 --log_steps 10
-
-With --ckpt_dir the run saves its whole state (process 0 writes) and, started again with
-the same command, goes on from the newest checkpoint exactly where it stopped. On SIGTERM
-(or Ctrl-C) on any host every host finishes the same step, saves and exits with code 75
-(130).
 """
 
+import collections
 import os
 import sys
 import time
@@ -39,6 +37,8 @@ import torchvision
 from absl import app, flags
 from torch.utils.tensorboard import SummaryWriter
 
+import checkpoints
+import image_folders
 import supervision
 import utils
 
@@ -53,8 +53,7 @@ flags.DEFINE_integer('test_set_batch_size', 64, 'Evaluation batch size per devic
 flags.DEFINE_integer('num_epochs', 18, 'Number of epochs.', lower_bound=1)
 flags.DEFINE_integer('num_steps', None, 'Cap on training and evaluation steps per epoch.', lower_bound=1)
 flags.DEFINE_integer('log_steps', 20, 'Print a training line every this many steps.', lower_bound=1)
-flags.DEFINE_float('lr', None, 'Peak SGD learning rate (default: 0.5 for resnet50, else 0.1).',
-                   lower_bound=0.0)
+flags.DEFINE_float('lr', None, 'Peak SGD LR (default: 0.5 for resnet50, else 0.1).', lower_bound=0.0)
 flags.DEFINE_enum('lr_scheduler_type', None, ['WarmupAndExponentialDecayScheduler', 'none'],
                   'Default: WarmupAndExponentialDecayScheduler for resnet50, else none.')
 flags.DEFINE_float('lr_warmup_epochs', 0.9, 'Epochs of linear warm-up from 0.', lower_bound=0.0)
@@ -63,11 +62,9 @@ flags.DEFINE_float('lr_scheduler_divisor', 5, 'What the LR is divided by.', lowe
 flags.DEFINE_float('momentum', 0.9, 'SGD momentum.', lower_bound=0.0)
 flags.DEFINE_float('weight_decay', 1e-4, 'SGD weight decay.', lower_bound=0.0)
 flags.DEFINE_integer('seed', 42, 'Seed of the weights and of the data order.')
-flags.DEFINE_bool('drop_last', True, 'Drop the last partial training batch (its new shape '
-                  'would compile a new graph). Evaluation always counts every image.')
+flags.DEFINE_bool('drop_last', True, 'Drop the last partial training batch (a new shape compiles).')
 flags.DEFINE_integer('num_workers', 8, 'DataLoader worker processes of each host.', lower_bound=0)
-flags.DEFINE_bool('persistent_workers', True, 'Keep DataLoader workers between epochs '
-                  '(--nopersistent_workers: start them anew each epoch).')
+flags.DEFINE_bool('persistent_workers', True, 'Keep DataLoader workers from epoch to epoch.')
 flags.DEFINE_integer('prefetch_factor', None, 'Batches each loader worker loads ahead.', lower_bound=1)
 flags.DEFINE_integer('loader_prefetch_size', 8, 'Host batches MpDeviceLoader queues.', lower_bound=1)
 flags.DEFINE_integer('device_prefetch_size', 4, 'Device batches MpDeviceLoader queues.', lower_bound=1)
@@ -78,12 +75,9 @@ flags.DEFINE_string('logdir', None, 'TensorBoard folder for loss, rate, lr and a
 flags.DEFINE_bool('metrics_debug', False, "Print torch_xla's metrics report after each epoch.")
 flags.DEFINE_bool('profile', False, 'Start the profiler server so TensorBoard can capture a trace.')
 flags.DEFINE_integer('profiler_port', 9012, 'Profiler server port.')
-flags.DEFINE_string('results_json', None, 'Write accuracy, rates and compile counts here at exit '
-                    '(process 0).')
-flags.DEFINE_string('ckpt_dir', None, 'Save checkpoints here and resume from the newest one when '
-                    'started again: a local path, or on a pod a URL every host reads (gs://...).')
-flags.DEFINE_integer('ckpt_every_steps', None, 'Also save every N steps, not only at epoch ends.',
-                     lower_bound=1)
+flags.DEFINE_string('results_json', None, 'Write accuracy, rates and compile counts here (process 0).')
+flags.DEFINE_string('ckpt_dir', None, 'Save checkpoints here, resume from the newest (pod: gs://...).')
+flags.DEFINE_integer('ckpt_every_steps', None, 'Also save every N steps.', lower_bound=1)
 flags.DEFINE_integer('keep_checkpoints', 2, 'Checkpoints kept, besides best.pt.', lower_bound=1)
 flags.DEFINE_string('resume', None, 'Resume from this checkpoint instead of the newest in --ckpt_dir.')
 flags.register_validator('model', lambda name: name in torchvision.models.list_models(
@@ -121,8 +115,8 @@ def load_data(cfg, host, hosts, local_devices):
       return utils.EpochLoader(xu.SampleGenerator(batch, samples // hosts // batch_size), cap)
     return (fake(batch_size, FAKE_TRAIN_SAMPLES), fake(test_batch_size, FAKE_TEST_SAMPLES),
             FAKE_CLASSES)
-  train_set = utils.image_folder(os.path.join(cfg.datadir, 'train'), cfg.img_dim, train=True)
-  test_set = utils.image_folder(os.path.join(cfg.datadir, 'val'), cfg.img_dim, train=False)
+  train_set = image_folders.load(os.path.join(cfg.datadir, 'train'), cfg.img_dim, train=True)
+  test_set = image_folders.load(os.path.join(cfg.datadir, 'val'), cfg.img_dim, train=False)
   # The order is a function of (seed, epoch) and each image is cropped by its own seed, so a
   # resumed run sees the very batches an uninterrupted one would.
   sampler = utils.EpochSampler(train_set, host, hosts, cfg.seed, batch_size)
@@ -144,6 +138,24 @@ def load_data(cfg, host, hosts, local_devices):
           len(train_set.classes))
 
 
+class MeshStopVote(utils.StopVote):
+  """utils.StopVote over the mesh: each host's flag on each of its devices, in one global
+  tensor that the step's program sums."""
+
+  def __init__(self, device, stop_signal, mesh):
+    local = torch.ones(xr.addressable_runtime_device_count())
+    spec = xs.ShardingSpec(mesh, ('data',), minibatch=True)
+    self.flags = tuple(xm.send_cpu_data_to_device(local * flag, device, spec)[0] for flag in (0, 1))
+    self.stop_signal, self.votes = stop_signal, collections.deque()
+    self.agree(False)  # Compiles the epoch end's vote before epoch 1 ends.
+
+  def sum(self, flag):
+    return torch.sum(flag)
+
+  def agree(self, pending):
+    return self.sum(self.flags[pending]).item() > 0
+
+
 def start_run(cfg, num_classes, steps_per_epoch, stop_signal, mesh):
   """Model, optimizer, LR schedule, log, stop vote and results, restored from the newest
   checkpoint if there is one; run.epoch and run.step are where training goes on."""
@@ -161,13 +173,12 @@ def start_run(cfg, num_classes, steps_per_epoch, stop_signal, mesh):
   results = utils.new_results(cfg.model, world_size=xr.global_runtime_device_count(), spmd=True)
   run = SimpleNamespace(cfg=cfg, model=model, optimizer=optimizer, scheduler=scheduler,
                         log=utils.StepLog(device, writer), stop_signal=stop_signal,
-                        stop=utils.StopVote(device, stop_signal, mesh), results=results, epoch=1,
+                        stop=MeshStopVote(device, stop_signal, mesh), results=results, epoch=1,
                         step=0, global_step=0)
-  state = utils.resume(cfg.resume, cfg.ckpt_dir, (model, optimizer, scheduler), vars(cfg),
-                       RESTART_FLAGS)
+  state = checkpoints.resume(cfg.resume, cfg.ckpt_dir, (model, optimizer, scheduler),
+                             vars(cfg), RESTART_FLAGS)
   if state is not None:
-    run.results, run.epoch, run.step, run.global_step = (state[key] for key in (
-        'results', 'epoch', 'step', 'global_step'))
+    vars(run).update({key: state[key] for key in ('results', 'epoch', 'step', 'global_step')})
   return run
 
 
@@ -227,7 +238,7 @@ def save_checkpoint(run, epoch, step, best=False):
                lr_scheduler=run.scheduler.state_dict() if run.scheduler else None, epoch=epoch,
                step=step, global_step=run.global_step, flags=vars(run.cfg),
                rng=dict(torch=torch.get_rng_state(), xla=xm.get_rng_state()), results=run.results)
-  return utils.save_checkpoint(state, run.cfg.ckpt_dir, run.cfg.keep_checkpoints, best)
+  return checkpoints.save(state, run.cfg.ckpt_dir, run.cfg.keep_checkpoints, best)
 
 
 def stop_run(run, epoch, step):
@@ -256,8 +267,7 @@ def end_epoch(run, epoch, accuracy, counts):
 
 
 def train(cfg, stop_signal):
-  """The whole run of this host; returns the results dict that --results_json writes.
-  stop_signal() is the stop signal this process got, or 0."""
+  """This host's run (stop_signal(): the signal it got, or 0); returns its results."""
   torch.manual_seed(cfg.seed)
   host, hosts, devices = xr.process_index(), xr.process_count(), xr.global_runtime_device_count()
   local_devices = xr.addressable_runtime_device_count()
@@ -326,7 +336,7 @@ def main(argv):
         raise utils.UsageError('give --datadir DIR (DIR/train/CLASS/*.jpg, DIR/val/CLASS/*.jpg) '
                                'or --fake_data')
       if not cfg.fake_data:
-        utils.check_image_folders(cfg.datadir, ('train', 'val'))
+        image_folders.check(cfg.datadir, ('train', 'val'))
       utils.check_outputs(cfg.ckpt_dir, cfg.logdir, cfg.results_json)
       results = train(cfg, supervision.stop_signal)
       if utils.is_master():

@@ -1,17 +1,13 @@
 """Trains a torchvision classifier on ONE XLA device: a TPU core, or XLA:CPU without a TPU.
 
-No processes are spawned, so this is the script for debugging, for profiling one core
-and for small runs; train_resnet_mp.py runs the same job on every device of a host.
-Data is an ImageNet-style folder (--datadir DIR with DIR/train/CLASS/*.jpg and
-DIR/val/CLASS/*.jpg) or constant fake batches (--fake_data), as in pytorch/xla's
-test_train_mp_imagenet.py.
+No processes are spawned, so this is the script for debugging, for profiling one core and
+for small runs; train_resnet_mp.py runs the same job on every device of a host. Data: an
+ImageNet-style folder (--datadir) or constant fake batches (--fake_data). With --ckpt_dir,
+the same command started again goes on exactly where the last one stopped. SIGTERM
+(Ctrl-C): it finishes the step, saves, exit code 75 (130); a second Ctrl-C ends it at once.
 
   python train_single_core.py --fake_data --model resnet18 --img_dim 64 \
       --batch_size 16 --num_epochs 1 --num_steps 40 --log_steps 10
-
-With --ckpt_dir the run saves its whole state and, started again with the same command,
-goes on from the newest checkpoint exactly where it stopped. On SIGTERM (or Ctrl-C) it
-finishes the step, saves and exits with code 75 (130); a second Ctrl-C ends it at once.
 """
 
 import os
@@ -32,6 +28,8 @@ import torchvision
 from absl import app, flags
 from torch.utils.tensorboard import SummaryWriter
 
+import checkpoints
+import image_folders
 import supervision
 import utils
 
@@ -54,11 +52,9 @@ flags.DEFINE_float('lr_scheduler_divisor', 5, 'What the LR is divided by.', lowe
 flags.DEFINE_float('momentum', 0.9, 'SGD momentum.', lower_bound=0.0)
 flags.DEFINE_float('weight_decay', 1e-4, 'SGD weight decay.', lower_bound=0.0)
 flags.DEFINE_integer('seed', 42, 'Seed of the weights and of the data order.')
-flags.DEFINE_bool('drop_last', True, 'Drop the last partial training batch (its new shape '
-                  'would compile a new graph). Evaluation always counts every image.')
+flags.DEFINE_bool('drop_last', True, 'Drop the last partial training batch (a new shape compiles).')
 flags.DEFINE_integer('num_workers', 8, 'DataLoader worker processes.', lower_bound=0)
-flags.DEFINE_bool('persistent_workers', True, 'Keep DataLoader workers between epochs '
-                  '(--nopersistent_workers: start them anew each epoch).')
+flags.DEFINE_bool('persistent_workers', True, 'Keep DataLoader workers from epoch to epoch.')
 flags.DEFINE_integer('prefetch_factor', None, 'Batches each loader worker loads ahead.', lower_bound=1)
 flags.DEFINE_integer('loader_prefetch_size', 8, 'Host batches MpDeviceLoader queues.', lower_bound=1)
 flags.DEFINE_integer('device_prefetch_size', 4, 'Device batches MpDeviceLoader queues.', lower_bound=1)
@@ -70,10 +66,8 @@ flags.DEFINE_bool('metrics_debug', False, "Print torch_xla's metrics report afte
 flags.DEFINE_bool('profile', False, 'Start the profiler server so TensorBoard can capture a trace.')
 flags.DEFINE_integer('profiler_port', 9012, 'Profiler server port.')
 flags.DEFINE_string('results_json', None, 'Write accuracy, rates and compile counts here at exit.')
-flags.DEFINE_string('ckpt_dir', None, 'Save checkpoints here and resume from the newest one when '
-                    'started again: a local path, or on a pod a URL every host reads (gs://...).')
-flags.DEFINE_integer('ckpt_every_steps', None, 'Also save every N steps, not only at epoch ends.',
-                     lower_bound=1)
+flags.DEFINE_string('ckpt_dir', None, 'Save checkpoints here, resume from the newest (pod: gs://...).')
+flags.DEFINE_integer('ckpt_every_steps', None, 'Also save every N steps.', lower_bound=1)
 flags.DEFINE_integer('keep_checkpoints', 2, 'Checkpoints kept, besides best.pt.', lower_bound=1)
 flags.DEFINE_string('resume', None, 'Resume from this checkpoint instead of the newest in --ckpt_dir.')
 flags.register_validator('model', lambda name: name in torchvision.models.list_models(
@@ -100,8 +94,8 @@ def load_data(cfg, rank, world_size):
       return utils.EpochLoader(xu.SampleGenerator(batch, samples // world_size // batch_size), cap)
     return (fake(cfg.batch_size, FAKE_TRAIN_SAMPLES),
             fake(cfg.test_set_batch_size, FAKE_TEST_SAMPLES), FAKE_CLASSES)
-  train_set = utils.image_folder(os.path.join(cfg.datadir, 'train'), cfg.img_dim, train=True)
-  test_set = utils.image_folder(os.path.join(cfg.datadir, 'val'), cfg.img_dim, train=False)
+  train_set = image_folders.load(os.path.join(cfg.datadir, 'train'), cfg.img_dim, train=True)
+  test_set = image_folders.load(os.path.join(cfg.datadir, 'val'), cfg.img_dim, train=False)
   # The order is a function of (seed, epoch) and each image is cropped by its own seed, so a
   # resumed run sees the very batches an uninterrupted one would.
   sampler = utils.EpochSampler(train_set, rank, world_size, cfg.seed, cfg.batch_size)
@@ -138,11 +132,10 @@ def start_run(cfg, num_classes, steps_per_epoch, stop_signal):
   run = SimpleNamespace(cfg=cfg, model=model, optimizer=optimizer, scheduler=scheduler,
                         log=utils.StepLog(device, writer), stop_signal=stop_signal,
                         results=utils.new_results(cfg.model), epoch=1, step=0, global_step=0)
-  state = utils.resume(cfg.resume, cfg.ckpt_dir, (model, optimizer, scheduler), vars(cfg),
-                       RESTART_FLAGS)
+  state = checkpoints.resume(cfg.resume, cfg.ckpt_dir, (model, optimizer, scheduler),
+                             vars(cfg), RESTART_FLAGS)
   if state is not None:
-    run.results, run.epoch, run.step, run.global_step = (state[key] for key in (
-        'results', 'epoch', 'step', 'global_step'))
+    vars(run).update({key: state[key] for key in ('results', 'epoch', 'step', 'global_step')})
   return run
 
 
@@ -198,7 +191,7 @@ def save_checkpoint(run, epoch, step, best=False):
                lr_scheduler=run.scheduler.state_dict() if run.scheduler else None, epoch=epoch,
                step=step, global_step=run.global_step, flags=vars(run.cfg),
                rng=dict(torch=torch.get_rng_state(), xla=xm.get_rng_state()), results=run.results)
-  return utils.save_checkpoint(state, run.cfg.ckpt_dir, run.cfg.keep_checkpoints, best)
+  return checkpoints.save(state, run.cfg.ckpt_dir, run.cfg.keep_checkpoints, best)
 
 
 def stop_run(run, epoch, step):
@@ -227,8 +220,7 @@ def end_epoch(run, epoch, accuracy, counts):
 
 
 def train(cfg, stop_signal):
-  """The whole run; returns the results dict that --results_json writes. stop_signal() is
-  the stop signal this process got, or 0."""
+  """The run (stop_signal(): the signal this process got, or 0); returns its results."""
   torch.manual_seed(cfg.seed)
   rank, world_size, device = 0, 1, torch_xla.device()
   train_loader, test_loader, num_classes = load_data(cfg, rank, world_size)
@@ -285,7 +277,7 @@ def main(argv):
         raise utils.UsageError('give --datadir DIR (DIR/train/CLASS/*.jpg, DIR/val/CLASS/*.jpg) '
                                'or --fake_data')
       if not cfg.fake_data:
-        utils.check_image_folders(cfg.datadir, ('train', 'val'))
+        image_folders.check(cfg.datadir, ('train', 'val'))
       utils.check_outputs(cfg.ckpt_dir, cfg.logdir, cfg.results_json)
       results = train(cfg, supervision.stop_signal)
       utils.write_results(cfg.results_json, results)

@@ -11,11 +11,9 @@ steps, the shard order changes every epoch, and every test sample is counted onc
       --wds_traindir 'shards/cifar-train-{000000..000049}.tar' \
       --wds_testdir 'shards/cifar-test-{000000..000009}.tar'
 
-With --ckpt_dir the run saves its whole state and, started again with the same command,
-goes on from the newest checkpoint exactly where it stopped: the stream of the epoch is
-rebuilt from (seed, epoch) and the trained batches are read but not used. On SIGTERM
-(or Ctrl-C) every replica finishes the same step, the master saves, and the command
-exits with 75 (130).
+With --ckpt_dir, the same command started again goes on exactly where the last one stopped
+(the epoch's stream is rebuilt from (seed, epoch); trained batches are read, not used).
+SIGTERM (Ctrl-C): every replica finishes the same step, the master saves, exit code 75 (130).
 """
 
 import itertools
@@ -42,6 +40,7 @@ from absl import app, flags
 from torch.utils.tensorboard import SummaryWriter
 from torchvision.transforms import v2
 
+import checkpoints
 import shard_format
 import supervision
 import utils
@@ -53,13 +52,12 @@ flags.DEFINE_string('wds_testdir', None, 'Test shards, the same way.')
 flags.DEFINE_integer('trainsize', None, 'Training samples in the shards (all of them).', lower_bound=1)
 flags.DEFINE_integer('testsize', None, 'Test samples in the shards (all of them).', lower_bound=1)
 flags.DEFINE_integer('shuffle_buffer', 10000, 'Samples each loader worker shuffles.', lower_bound=1)
-flags.DEFINE_bool('fail_on_bad_data', False, 'Stop at a missing or corrupt shard or sample '
-                  'instead of skipping it with a warning.')
+flags.DEFINE_bool('fail_on_bad_data', False, 'Stop at a bad shard or sample instead of skipping it.')
 flags.DEFINE_string('model', 'resnet18', 'A torchvision ResNet (resnet18, resnet50, resnext50_32x4d, '
                     'wide_resnet50_2, ...), given the CIFAR stem.')
 flags.DEFINE_integer('num_classes', 10, 'Number of classes (labels 0..N-1).', lower_bound=2)
-flags.DEFINE_integer('num_cores', None, 'Unset: one process per local device. 1: a single process, '
-                     'for debugging.', lower_bound=1, upper_bound=1)
+flags.DEFINE_integer('num_cores', None, '1: one process, to debug (unset: one per local device).',
+                     lower_bound=1, upper_bound=1)
 flags.DEFINE_integer('batch_size', 128, 'Training batch size of each replica.', lower_bound=1)
 flags.DEFINE_integer('test_set_batch_size', 64, 'Evaluation batch size of each replica.', lower_bound=1)
 flags.DEFINE_integer('num_epochs', 30, 'Number of epochs.', lower_bound=1)
@@ -81,17 +79,14 @@ flags.DEFINE_integer('device_prefetch_size', 4, 'Device batches MpDeviceLoader q
 flags.DEFINE_integer('host_to_device_transfer_threads', 1, 'Host-to-device copy threads.', lower_bound=1)
 flags.DEFINE_bool('bf16', False, 'Train in bfloat16: sets XLA_USE_BF16=1 before the spawn.')
 flags.DEFINE_float('target_accuracy', 0.0, 'Exit with code 21 if the final accuracy (%) is below it.')
-flags.DEFINE_string('ckpt_dir', None, 'Save checkpoints here and resume from the newest one when '
-                    'started again: a local path, or on a pod a URL every host reads (gs://...).')
-flags.DEFINE_integer('ckpt_every_steps', None, 'Also save every N steps, not only at epoch ends.',
-                     lower_bound=1)
+flags.DEFINE_string('ckpt_dir', None, 'Save checkpoints here, resume from the newest (pod: gs://...).')
+flags.DEFINE_integer('ckpt_every_steps', None, 'Also save every N steps.', lower_bound=1)
 flags.DEFINE_integer('keep_checkpoints', 2, 'Checkpoints kept, besides best.pt.', lower_bound=1)
 flags.DEFINE_string('resume', None, 'Resume from this checkpoint instead of the newest in --ckpt_dir.')
 flags.DEFINE_string('logdir', None, 'TensorBoard folder for loss, rate, lr and accuracy (master only).')
 flags.DEFINE_bool('metrics_debug', False, "Print torch_xla's metrics report after each epoch.")
 flags.DEFINE_bool('profile', False, 'Start the profiler server so TensorBoard can capture a trace.')
-flags.DEFINE_integer('profiler_port', 9012, 'Profiler server port of the first local replica; '
-                     'replica i of a host listens on port + i.')
+flags.DEFINE_integer('profiler_port', 9012, 'Profiler port of local replica 0 (replica i: + i).')
 flags.DEFINE_string('results_json', None, 'Write accuracy, rates and compile counts here at exit.')
 flags.register_validator('model', lambda name: name.startswith(('resnet', 'resnext', 'wide_resnet'))
                          and name in torchvision.models.list_models(torchvision.models),
@@ -160,8 +155,8 @@ class TrainShards(torch.utils.data.IterableDataset):
     sends a sample for every two it reads until full, starting once it holds a batch."""
     for pass_number in itertools.count():
       shuffle = wds.shuffle(self.cfg.shuffle_buffer, initial=self.cfg.batch_size, rng=rng)
-      read = 0
-      for image, label in shuffle(shard_format.read_samples(rng.sample(shards, len(shards)), on_bad)):
+      read, samples = 0, shard_format.read_samples(rng.sample(shards, len(shards)), on_bad)
+      for image, label in shuffle(samples):
         read += 1
         yield image, label, pass_number
       if read == 0:
@@ -171,7 +166,8 @@ class TrainShards(torch.utils.data.IterableDataset):
     info = torch.utils.data.get_worker_info()
     worker, num_workers = (info.id, info.num_workers) if info else (0, 1)
     epoch, first_step = self.epoch_and_step.tolist()
-    seed, bad = self.cfg.seed, shard_format.BadData(self.cfg.fail_on_bad_data, self.counts[:, 0], worker)
+    seed = self.cfg.seed
+    bad = shard_format.BadData(self.cfg.fail_on_bad_data, self.counts[:, 0], worker)
     # The DataLoader takes batch i from worker i % num_workers: this worker makes its share
     # of the epoch and stops, instead of reading on for batches nobody takes. A worker whose
     # first turn falls below first_step (a resumed run) sends None there (the loader drops
@@ -263,15 +259,14 @@ def start_run(cfg, steps_per_epoch, stop_signal):
         step, steps_per_epoch, cfg.lr_warmup_epochs, cfg.lr_scheduler_divide_every_n_epochs,
         cfg.lr_scheduler_divisor))
   writer = SummaryWriter(cfg.logdir) if cfg.logdir and xm.is_master_ordinal() else None
+  results = utils.new_results(cfg.model, skipped_bad_data=0, repeated_samples=0)
   run = SimpleNamespace(cfg=cfg, model=model, optimizer=optimizer, scheduler=scheduler,
                         log=utils.StepLog(device, writer), stop=utils.StopVote(device, stop_signal),
-                        stop_signal=stop_signal, epoch=1, step=0, global_step=0,
-                        results=utils.new_results(cfg.model, skipped_bad_data=0, repeated_samples=0))
-  state = utils.resume(cfg.resume, cfg.ckpt_dir, (model, optimizer, scheduler), vars(cfg),
-                       RESTART_FLAGS)
+                        stop_signal=stop_signal, results=results, epoch=1, step=0, global_step=0)
+  state = checkpoints.resume(cfg.resume, cfg.ckpt_dir, (model, optimizer, scheduler),
+                             vars(cfg), RESTART_FLAGS)
   if state is not None:
-    run.results, run.epoch, run.step, run.global_step = (state[key] for key in (
-        'results', 'epoch', 'step', 'global_step'))
+    vars(run).update({key: state[key] for key in ('results', 'epoch', 'step', 'global_step')})
   return run
 
 
@@ -329,7 +324,7 @@ def save_checkpoint(run, epoch, step, best=False):
                lr_scheduler=run.scheduler.state_dict() if run.scheduler else None, epoch=epoch,
                step=step, global_step=run.global_step, flags=vars(run.cfg),
                rng=dict(torch=torch.get_rng_state(), xla=xm.get_rng_state()), results=run.results)
-  return utils.save_checkpoint(state, run.cfg.ckpt_dir, run.cfg.keep_checkpoints, best)
+  return checkpoints.save(state, run.cfg.ckpt_dir, run.cfg.keep_checkpoints, best)
 
 
 def stop_run(run, epoch, step):
@@ -358,8 +353,7 @@ def end_epoch(run, epoch, accuracy, counts):
 
 
 def train(cfg, stop_signal):
-  """The whole run of one replica; returns the results dict that --results_json writes.
-  stop_signal() is the stop signal this process got, or 0."""
+  """One replica's run (stop_signal(): the signal it got, or 0); returns its results."""
   torch.manual_seed(cfg.seed)
   rank, world_size, device = xr.global_ordinal(), xr.world_size(), torch_xla.device()
   train_loader, test_loader = load_data(cfg, rank, world_size)
@@ -441,8 +435,7 @@ def main(argv):
     utils.check_outputs(FLAGS.ckpt_dir, FLAGS.logdir, FLAGS.results_json)
   except utils.UsageError as e:
     utils.die(e)
-  # SIGTERM and Ctrl-C stop every replica after a step; one replica that fails (or a second
-  # Ctrl-C) ends them all at once: see run_watched.
+  # A stop signal stops every replica after a step; a failing one ends them all: see there.
   with supervision.run_watched(launcher=FLAGS.num_cores != 1):
     torch_xla.launch(_mp_fn, args=(FLAGS.flag_values_dict(),),
                      debug_single_process=FLAGS.num_cores == 1)
@@ -453,6 +446,5 @@ if __name__ == '__main__':
   flags.mark_flags_as_required(['wds_traindir', 'trainsize', 'wds_testdir', 'testsize'])
   app.run(main, flags_parser=utils.parse_flags)
 elif __name__ == '__mp_main__':
-  # A replica process of torch_xla.launch imports this file in its main thread, the only
-  # one that may catch a signal; train() runs in another thread.
+  # A replica imports this file in its main thread, the only one that may catch a signal.
   supervision.stop_on_signals()

@@ -32,7 +32,7 @@ from absl import app, flags
 from PIL import Image
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-import make_cifar_shards  # noqa: E402
+import shard_format  # noqa: E402
 import train_wds_cifar  # noqa: E402
 import utils  # noqa: E402
 
@@ -86,7 +86,7 @@ def shard_loader(urls, count, workers):
 
 
 def decode_costs(images):
-  """Microseconds train_wds_cifar.decode takes for one image of each format it reads."""
+  """Microseconds shard_format.decode takes for one image of each format it reads."""
   def encoded(image, image_format, **options):
     with io.BytesIO() as f:
       if image_format == 'NPY':
@@ -104,7 +104,7 @@ def decode_costs(images):
     samples = [{'__key__': str(i), key: encode(image), 'cls': b'1'} for i, image in enumerate(images)]
     start = time.perf_counter()
     for sample in samples:
-      train_wds_cifar.decode(sample)
+      shard_format.decode(sample)
     costs[key] = ((time.perf_counter() - start) / len(samples) * 1e6,
                   sum(len(sample[key]) for sample in samples) / len(samples))
   return costs
@@ -119,7 +119,7 @@ def main(argv):
     tmp = pathlib.Path(tmp)
     images, labels = make_images(tmp / 'png', count)
     per_shard = count // 10
-    shards = {f'shards, {image_format}': make_cifar_shards.write_shards(
+    shards = {f'shards, {image_format}': shard_format.write_shards(
         images, labels, range(count), str(tmp / image_format / 'train-%06d.tar'), per_shard,
         image_format) for image_format in ('rgb', 'png')}
     (tmp / 'ppm').mkdir()
@@ -139,7 +139,7 @@ def main(argv):
         shard_rate = rate(shard_loader(urls, count, workers), passes)
         rows.append((name, workers, shard_rate, shard_rate / folder_rate))
   machine = f'{platform.processor() or platform.machine()}, {os.cpu_count()} cores'
-  print(f'Decoding one 32x32 noise image (train_wds_cifar.decode, mean of 1,000), {machine}')
+  print(f'Decoding one 32x32 noise image (shard_format.decode, mean of 1,000), {machine}')
   print()
   print('| image file | us per image | bytes per image |')
   print('| --- | --- | --- |')

@@ -38,7 +38,7 @@ from PIL import Image
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-import make_cifar_shards  # noqa: E402
+import shard_format  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_bool('quick', False, 'A few steps per run: checks that the benchmark works.')
@@ -105,9 +105,9 @@ def cifar_shards(root, train, test):
   for split, count in (('train', train), ('test', test)):
     images = rng.integers(0, 256, (count, 32, 32, 3), dtype=np.uint8)
     labels = rng.integers(0, 10, count)
-    urls = make_cifar_shards.write_shards(images, labels, range(count),
-                                          str(root / f'cifar-{split}-%06d.tar'),
-                                          samples_per_shard=max(1, count // 8))
+    urls = shard_format.write_shards(images, labels, range(count),
+                                     str(root / f'cifar-{split}-%06d.tar'),
+                                     samples_per_shard=max(1, count // 8))
     patterns.append(f'{root}/cifar-{split}-{{000000..{len(urls) - 1:06d}}}.tar')
   return patterns
 
@@ -130,7 +130,7 @@ def checkpoint_costs(tmp, name):
   """A checkpoint of model `name` on XLA:CPU: (save seconds, load seconds, MB)."""
   import torch_xla
   import torch_xla.core.xla_model as xm
-  import utils
+  import checkpoints
   device = torch_xla.device()
   model = torchvision.models.get_model(name, num_classes=1000).to(device)
   optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -144,10 +144,10 @@ def checkpoint_costs(tmp, name):
                        lr_scheduler=None, epoch=1, step=1, global_step=1, flags={}, results={},
                        rng=dict(torch=torch.get_rng_state(), xla=xm.get_rng_state()))
   start = time.perf_counter()
-  path = utils.save_checkpoint(state(), str(tmp / 'ckpt'), keep=2, best=False)
+  path = checkpoints.save(state(), str(tmp / 'ckpt'), keep=2, best=False)
   save = time.perf_counter() - start
   start = time.perf_counter()
-  utils.resume(path, None, (model, optimizer, None), {}, set())
+  checkpoints.resume(path, None, (model, optimizer, None), dict(num_epochs=1), set())
   xm.wait_device_ops()
   load = time.perf_counter() - start
   return save, load, os.path.getsize(path) / 1e6

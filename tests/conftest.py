@@ -59,8 +59,27 @@ def run_script(script, *args, env=None, timeout=900):
 
 
 def read_json(path):
+  """A --results_json file: read it only after asserting the exit code of the run that wrote
+  it, so that a failed run shows its output rather than a FileNotFoundError."""
   with open(path) as f:
     return json.load(f)
+
+
+def assert_one_error(run, code, pattern):
+  """A run that ended as a user mistake or bad data should: exit code `code`, no traceback,
+  and exactly one line starting with 'error: ', which matches `pattern` (re.search).
+
+  `run` is a subprocess.CompletedProcess (its stderr must hold the error line; both streams
+  are shown on failure) or the (exit code, merged output) pair of finish/run_and_signal."""
+  if isinstance(run, subprocess.CompletedProcess):
+    returncode, text, shown = run.returncode, run.stderr, run.stdout + run.stderr
+  else:
+    returncode, text = run
+    shown = text
+  assert returncode == code, shown
+  assert 'Traceback' not in text, shown
+  errors = [line for line in text.splitlines() if line.startswith('error: ')]
+  assert len(errors) == 1 and re.search(pattern, errors[0]), shown
 
 
 def write_image(path, colour, size, rng):
@@ -130,6 +149,63 @@ def finish(process, timeout=900):
   """(exit code, all output) of a started script."""
   output, _ = process.communicate(timeout=timeout)
   return process.returncode, output
+
+
+def wait_for(process, pattern, count=1):
+  """Reads a started process's output up to its count-th line that matches pattern
+  (re.search); returns what it read. Fails with the output if the output ends first."""
+  lines, found = [], 0
+  for line in process.stdout:
+    lines.append(line)
+    found += bool(re.search(pattern, line))
+    if found >= count:
+      return ''.join(lines)
+  raise AssertionError(f'no {count} lines match {pattern!r} in the output:\n' + ''.join(lines))
+
+
+def run_processes(session=None, mark=None):
+  """Pids of the live processes of a run, from one scan of Linux's /proc: those in session
+  `session` (the pid of a command started in a session of its own, as start_script does)
+  and those whose command line or environment holds the string `mark` (processes started
+  through ssh run under sshd, in sessions of their own). Zombies (dead, not yet reaped by
+  their parent) are not counted."""
+  assert session is not None or mark is not None
+  found = []
+  for entry in filter(str.isdigit, os.listdir('/proc')):
+    try:
+      with open(f'/proc/{entry}/stat') as f:
+        # state and session: fields 3 and 6, after the command name (which may hold ')').
+        state, _, _, pid_session = f.read().rsplit(')', 1)[1].split()[:4]
+    except (OSError, ValueError):
+      continue  # Gone meanwhile.
+    if state == 'Z':
+      continue
+    if session is not None and int(pid_session) == session:
+      found.append(int(entry))
+    elif mark is not None and any(mark.encode() in _read_proc(entry, part)
+                                  for part in ('cmdline', 'environ')):
+      found.append(int(entry))
+  return found
+
+
+def _read_proc(pid, part):
+  """/proc/PID/part, or b'' if the process is gone or not ours to read."""
+  try:
+    with open(f'/proc/{pid}/{part}', 'rb') as f:
+      return f.read()
+  except OSError:
+    return b''
+
+
+def assert_nothing_left(session=None, mark=None, seconds=5):
+  """No process of the run (see run_processes) is alive within `seconds` of its command's
+  end: processes killed at the end are reaped by init (or sshd) within that time."""
+  deadline = time.monotonic() + seconds
+  while (left := run_processes(session, mark)) and time.monotonic() < deadline:
+    time.sleep(0.1)
+  assert not left, 'processes of the run still alive: ' + '; '.join(
+      f'{pid} {_read_proc(pid, "cmdline").replace(bytes(1), b" ").decode(errors="replace").strip()}'
+      for pid in left)
 
 
 def run_and_signal(script, args, at_step, sig, group=True, env=None):

@@ -17,7 +17,7 @@ import uuid
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, assert_nothing_left, run_processes, wait_for
 
 import launch_pod
 
@@ -77,7 +77,7 @@ def mark():
   """A marker for the processes of one test's run; what is left of them is killed after it."""
   mark = uuid.uuid4().hex
   yield mark
-  for pid in marked(mark):
+  for pid in run_processes(mark=mark):
     try:
       os.kill(pid, signal.SIGKILL)
     except ProcessLookupError:
@@ -105,39 +105,6 @@ def launch(sshd, *args, mark):
   return process.returncode, output
 
 
-def wait_for(process, pattern, count=1):
-  """The output up to the count-th line that matches pattern."""
-  lines = []
-  for line in process.stdout:
-    lines.append(line)
-    if sum(bool(re.search(pattern, l)) for l in lines) >= count:
-      return ''.join(lines)
-  raise AssertionError(''.join(lines))
-
-
-def marked(mark):
-  """Pids of the processes whose command line or environment holds the mark."""
-  found = []
-  for pid in filter(str.isdigit, os.listdir('/proc')):
-    for part in ('cmdline', 'environ'):
-      try:
-        with open(f'/proc/{pid}/{part}', 'rb') as f:
-          if mark.encode() in f.read():
-            found.append(int(pid))
-            break
-      except OSError:
-        pass
-  return found
-
-
-def assert_nothing_left(mark, seconds=10):
-  for _ in range(seconds * 10):
-    if not marked(mark):
-      return
-    time.sleep(0.1)
-  raise AssertionError(f'processes of the run still alive: {marked(mark)}')
-
-
 def python(code):
   return [sys.executable, '-c', code]
 
@@ -157,7 +124,7 @@ def test_every_worker_runs_the_command_in_its_folder_with_env_and_named_lines(ss
     assert log.splitlines()[1:] == [f'a b {tmp_path} ["it\'s", \'"quoted" $HOME\']',
                                     'to stderr'], log
   assert 'launch_pod: done on 2 workers' in out, out
-  assert_nothing_left(mark)
+  assert_nothing_left(mark=mark, seconds=10)
 
 
 @pytest.mark.parametrize('code, last_line', [
@@ -180,7 +147,7 @@ def test_a_failing_or_preempted_worker_stops_the_others(sshd, tmp_path, mark, co
                    rf'{code}( \(.*\))?: stopping the others$', output, re.M), output
   assert f'[worker {1 - int(first)}] waiting' in output, output
   assert re.search(rf'^launch_pod: {last_line}$', output, re.M), output
-  assert_nothing_left(mark)
+  assert_nothing_left(mark=mark, seconds=10)
 
 
 def test_ctrl_c_stops_training_on_every_worker_with_a_checkpoint_and_exit_75(sshd, tmp_path,
@@ -202,7 +169,7 @@ def test_ctrl_c_stops_training_on_every_worker_with_a_checkpoint_and_exit_75(ssh
   assert len(list(tmp_path.glob('ckpt-*/ckpt-*.pt'))) == 2, out
   assert 'launch_pod: stopped on every worker: run the same command to go on (exit code 75)' in out
   assert 'Traceback' not in out, out
-  assert_nothing_left(mark)
+  assert_nothing_left(mark=mark, seconds=10)
 
 
 HOLD_ON = ('import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); '
@@ -219,20 +186,20 @@ def test_a_second_ctrl_c_kills_at_once(sshd, mark):
   assert process.returncode == 130, out + rest
   assert 'launch_pod: SIGINT during the stop: SIGKILL to the command on every worker' in rest, \
       out + rest
-  assert_nothing_left(mark)
+  assert_nothing_left(mark=mark, seconds=10)
 
 
 def test_sigterm_to_the_launcher_kills_what_does_not_stop_within_the_grace_period(sshd, mark):
   process = start(sshd, '--grace_seconds=1', '--', *python(HOLD_ON), mark=mark)
   out = wait_for(process, r'^\[worker \d\] started', count=2)
   process.terminate()  # `kill PID`: the launcher alone.
-  time.sleep(0.2)
+  out += wait_for(process, r'^launch_pod: SIGTERM: SIGTERM to the command on every worker')
   process.terminate()  # Again (a supervisor that repeats it): the grace period still holds.
   rest, _ = process.communicate(timeout=60)
   assert 'launch_pod: SIGTERM: already stopping (Ctrl-C: SIGKILL at once)' in rest, out + rest
   assert process.returncode == 128 + signal.SIGKILL, out + rest
   assert 'launch_pod: workers 0, 1 still running 1 s after SIGTERM: SIGKILL' in rest, out + rest
-  assert_nothing_left(mark)
+  assert_nothing_left(mark=mark, seconds=10)
 
 
 @pytest.mark.parametrize('nohup, code', [(False, 75), (True, 0)])
@@ -245,7 +212,7 @@ def test_a_closed_terminal_is_a_stop_unless_under_nohup(sshd, mark, nohup, code)
   rest, _ = process.communicate(timeout=60)
   assert process.returncode == code, out + rest
   assert ('launch_pod: SIGHUP: SIGTERM to the command on every worker' in rest) != nohup, rest
-  assert_nothing_left(mark)
+  assert_nothing_left(mark=mark, seconds=10)
 
 
 def test_a_killed_launcher_leaves_nothing_running(sshd, tmp_path, mark):
@@ -259,7 +226,7 @@ def test_a_killed_launcher_leaves_nothing_running(sshd, tmp_path, mark):
   wait_for(process, r'^\[worker \d\] started', count=2)
   process.kill()
   process.wait()
-  assert_nothing_left(mark)
+  assert_nothing_left(mark=mark, seconds=10)
   assert len(list(tmp_path.iterdir())) == 2  # Both had SIGTERM first.
 
 
@@ -273,7 +240,7 @@ def test_an_unreachable_worker_ends_the_run_with_code_255(sshd, mark):
   assert re.search(r'^launch_pod: worker 1 \(ssh://127.0.0.1:\d+\) exited with code 255 \(ssh '
                    r'could not reach it or lost the connection\): stopping the others$',
                    output, re.M), output
-  assert_nothing_left(mark)
+  assert_nothing_left(mark=mark, seconds=10)
 
 
 def test_kill_stale_ends_what_holds_the_tpu_first(sshd, tmp_path, mark):

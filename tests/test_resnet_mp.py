@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import (REPO, assert_same_training, finish, losses, read_json,
+from conftest import (REPO, assert_one_error, assert_same_training, finish, losses, read_json,
                       readme_command_flags, run_and_signal, run_script, script_env, seeded_random,
                       start_script, training_losses, write_image)
 
@@ -117,19 +117,13 @@ BAD_INPUTS = {
 @pytest.mark.parametrize('case', BAD_INPUTS)
 def test_bad_input_is_one_clear_line_and_exit_2(case):
   args, message = BAD_INPUTS[case]
-  result = run_script(SCRIPT, *args, timeout=120)
-  assert result.returncode == 2, result.stdout + result.stderr
-  assert 'Traceback' not in result.stderr
-  errors = [l for l in result.stderr.splitlines() if l.startswith('error: ')]
-  assert len(errors) == 1 and re.search(message, errors[0]), result.stderr
+  assert_one_error(run_script(SCRIPT, *args, timeout=120), 2, message)
 
 
 def test_too_little_data_for_a_batch_is_a_clear_error(tmp_path, colour_folder):
   result = run_script(SCRIPT, '--datadir', colour_folder, '--model', 'resnet18',
                       '--batch_size', 300, '--num_workers', 0, timeout=300)
-  assert result.returncode == 2, result.stdout + result.stderr
-  assert 'Traceback' not in result.stderr
-  assert re.search(r'^error: 256 training images make no batch of 300', result.stderr, re.M)
+  assert_one_error(result, 2, r'^error: 256 training images make no batch of 300')
 
 
 def test_killed_and_stopped_run_ends_bitwise_equal(tmp_path):

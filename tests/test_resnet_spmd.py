@@ -7,8 +7,9 @@ import signal
 import numpy as np
 import torch
 
-from conftest import (assert_same_training, finish, read_json, run_and_signal, run_script,
-                      script_env, seeded_random, start_script, training_losses, write_image)
+from conftest import (assert_one_error, assert_same_training, finish, read_json, run_and_signal,
+                      run_script, script_env, seeded_random, start_script, training_losses,
+                      write_image)
 
 SCRIPT = 'train_resnet_spmd.py'
 FOUR = script_env(CPU_NUM_DEVICES='4')
@@ -94,7 +95,4 @@ def test_killed_and_stopped_run_on_four_devices_ends_bitwise_equal_and_as_one_de
 
 def test_bad_input_is_one_clear_line_and_exit_2(tmp_path):
   result = run_script(SCRIPT, '--datadir', tmp_path / 'nowhere', env=FOUR, timeout=300)
-  assert result.returncode == 2, result.stdout + result.stderr
-  assert 'Traceback' not in result.stderr
-  errors = [l for l in result.stderr.splitlines() if l.startswith('error: ')]
-  assert len(errors) == 1 and 'nowhere' in errors[0], result.stderr
+  assert_one_error(result, 2, 'nowhere')
