@@ -61,8 +61,7 @@ def save(state, ckpt_dir, keep, best):
 
 
 def load(path):
-  """The checkpoint at path (local or URL) with CPU tensors, or CheckpointError. Only
-  tensors and plain values load (weights_only): unpickling other objects could run code."""
+  """The checkpoint at path with CPU tensors (weights_only: other objects could run code)."""
   try:
     with fsspec.open(path, 'rb') as f:
       # torch.save writes a zip archive; random or truncated bytes could look like a pickle.
@@ -79,15 +78,13 @@ def load(path):
                           f'checkpoint file ({reason})') from None
   missing = [key for key in KEYS if not isinstance(state, dict) or key not in state]
   if missing:
-    raise CheckpointError(f'{path} is not a checkpoint of these scripts (no '
-                          f'{", ".join(missing)})')
+    raise CheckpointError(f'{path} is not a checkpoint of these scripts (no {", ".join(missing)})')
   return state
 
 
 def find(resume, ckpt_dir):
-  """(path, state) to resume from, the same on every replica, or (None, None): --resume
-  PATH, else the newest readable checkpoint in ckpt_dir (a warning line for each unreadable
-  newer one). The master chooses; the others follow."""
+  """(path, state) to resume from, chosen by the master for every replica, or (None, None):
+  --resume PATH, else the newest readable one in ckpt_dir (warning of each unreadable one)."""
   path, state = None, None
   if xm.is_master_ordinal(local=False) and resume:
     try:
@@ -113,17 +110,17 @@ def check_same_model(model, state, path):
   theirs = {k: list(v.shape) for k, v in state['model'].items()}
   differ = sorted(k for k in ours.keys() | theirs.keys() if ours.get(k) != theirs.get(k))
   if differ:
+    first = differ[0]
     raise UsageError(f'checkpoint {path} was made for another model or number of classes '
-                     f'({len(differ)} weight(s) differ, e.g. {differ[0]}: '
-                     f'{theirs.get(differ[0], "absent")} there, {ours.get(differ[0], "absent")} '
-                     f'here; it was saved with --model {state["flags"].get("model")}): use the '
-                     'flags of that run, or another --ckpt_dir')
+                     f'({len(differ)} weight(s) differ, e.g. {first}: '
+                     f'{theirs.get(first, "absent")} there, {ours.get(first, "absent")} here; it '
+                     f'was saved with --model {state["flags"].get("model")}): use the flags of '
+                     'that run, or another --ckpt_dir')
 
 
 def resume(resume_path, ckpt_dir, training, flag_values, restart_flags):
   """Restores training = (model, optimizer, scheduler or None) and the RNGs from find()'s
-  checkpoint, says which, and returns it (or None). Flags that differ from the checkpoint's,
-  but for restart_flags (which do not change what is computed), are named in a warning."""
+  checkpoint and returns it (or None); warns of flags changed, but for restart_flags."""
   path, state = find(resume_path, ckpt_dir)
   if state is None:
     return None

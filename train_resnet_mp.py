@@ -83,16 +83,15 @@ RESTART_FLAGS = {'resume', 'ckpt_dir', 'ckpt_every_steps', 'keep_checkpoints', '
                  'profiler_port', 'target_accuracy', 'num_workers', 'persistent_workers',
                  'prefetch_factor', 'loader_prefetch_size', 'device_prefetch_size',
                  'host_to_device_transfer_threads', 'num_cores'}
-FAKE_TRAIN_SAMPLES, FAKE_TEST_SAMPLES = 1_200_000, 50_000  # ImageNet's sizes, as upstream.
-FAKE_CLASSES = 1000
+FAKE_TRAIN_SAMPLES, FAKE_TEST_SAMPLES, FAKE_CLASSES = 1_200_000, 50_000, 1000  # ImageNet's
 # Upstream's tuned resnet50 recipe (for 8 replicas of batch 128); other models get DEFAULTS.
 DEFAULTS = dict(lr=0.1, lr_scheduler_type='none')
 MODEL_DEFAULTS = {'resnet50': dict(lr=0.5, lr_scheduler_type='WarmupAndExponentialDecayScheduler')}
 
 
 def load_data(cfg, rank, world_size):
-  """This replica's train and test loaders, capped at --num_steps, and the class count.
-  Every replica gets the same number of train and test batches."""
+  """This replica's train and test loaders (as many batches as every replica's, at most
+  --num_steps), and the class count."""
   cap = cfg.num_steps or sys.maxsize
   if cfg.fake_data:
     def fake(batch_size, samples):  # One constant batch: the run measures the device alone.
@@ -112,9 +111,8 @@ def load_data(cfg, rank, world_size):
   train_loader = torch.utils.data.DataLoader(utils.SeededSamples(train_set), cfg.batch_size,
                                              sampler=sampler, drop_last=cfg.drop_last, **workers)
   if len(train_loader) == 0:
-    raise utils.UsageError(f'{len(train_set)} training images make no batch of {cfg.batch_size} '
-                           f'for each of {world_size} replicas: lower --batch_size or pass '
-                           '--nodrop_last')
+    raise utils.UsageError(f'{len(train_set)} training images make no batch of {cfg.batch_size} for '
+                           f'each of {world_size} replicas: lower --batch_size or pass --nodrop_last')
   test_set = utils.eval_share(test_set, rank, world_size, cfg.test_set_batch_size,
                               blank=torch.zeros(3, cfg.img_dim, cfg.img_dim))
   test_loader = torch.utils.data.DataLoader(test_set, cfg.test_set_batch_size, **workers)

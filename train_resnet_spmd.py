@@ -89,8 +89,7 @@ RESTART_FLAGS = {'resume', 'ckpt_dir', 'ckpt_every_steps', 'keep_checkpoints', '
                  'profiler_port', 'target_accuracy', 'num_workers', 'persistent_workers',
                  'prefetch_factor', 'loader_prefetch_size', 'device_prefetch_size',
                  'host_to_device_transfer_threads'}
-FAKE_TRAIN_SAMPLES, FAKE_TEST_SAMPLES = 1_200_000, 50_000  # ImageNet's sizes, as upstream.
-FAKE_CLASSES = 1000
+FAKE_TRAIN_SAMPLES, FAKE_TEST_SAMPLES, FAKE_CLASSES = 1_200_000, 50_000, 1000  # ImageNet's
 # Upstream's tuned resnet50 recipe (for a global batch of 1024); other models get DEFAULTS.
 DEFAULTS = dict(lr=0.1, lr_scheduler_type='none')
 MODEL_DEFAULTS = {'resnet50': dict(lr=0.5, lr_scheduler_type='WarmupAndExponentialDecayScheduler')}

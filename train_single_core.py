@@ -79,8 +79,7 @@ RESTART_FLAGS = {'resume', 'ckpt_dir', 'ckpt_every_steps', 'keep_checkpoints', '
                  'profiler_port', 'target_accuracy', 'num_workers', 'persistent_workers',
                  'prefetch_factor', 'loader_prefetch_size', 'device_prefetch_size',
                  'host_to_device_transfer_threads'}
-FAKE_TRAIN_SAMPLES, FAKE_TEST_SAMPLES = 1_200_000, 50_000  # ImageNet's sizes, as upstream.
-FAKE_CLASSES = 1000
+FAKE_TRAIN_SAMPLES, FAKE_TEST_SAMPLES, FAKE_CLASSES = 1_200_000, 50_000, 1000  # ImageNet's
 
 
 def load_data(cfg, rank, world_size):

@@ -60,7 +60,6 @@ def create_model(name, num_classes):
   return torchvision.models.get_model(name, weights=None, num_classes=num_classes, **aux)
 
 
-# ------------------------------------------------- splitting work across replicas
 class EpochSampler(torch.utils.data.DistributedSampler):
   """This replica's share of an epoch from set_epoch's first step on, ordered by (seed, epoch),
   each index with its augmentation's seed; a remainder is dropped, not repeated elsewhere."""
@@ -98,9 +97,8 @@ class SeededSamples(torch.utils.data.Dataset):
 
 
 def eval_share(dataset, rank, world_size, batch_size, blank):
-  """Samples rank, rank + world_size, ... padded with (blank, -1), not counted, to the same
-  whole number of batches on every replica: every sample counts once, no replica waits in
-  a collective for one that stopped (pytorch/xla#2749), and every batch has one shape."""
+  """Samples rank, rank + world_size, ... padded with (blank, -1), not counted, to as many
+  batches as every replica's: none waits for another (pytorch/xla#2749), one batch shape."""
   steps = -(-len(dataset) // world_size // batch_size)
   share = torch.utils.data.Subset(dataset, range(rank, len(dataset), world_size))
   return torch.utils.data.ConcatDataset([share, [(blank, -1)] * (steps * batch_size - len(share))])
@@ -108,9 +106,8 @@ def eval_share(dataset, rank, world_size, batch_size, blank):
 
 class EpochLoader:
   """At most num_batches batches of loader an epoch, from set_epoch's first_step on (`order`
-  skips the trained ones; a None it sends is dropped): leaving MpDeviceLoader's loop early
-  would leave a thread behind. MpDeviceLoader ends an epoch silently on a loader error:
-  check() raises it."""
+  skips the trained ones; None batches are dropped): leaving MpDeviceLoader's loop early
+  would leave a thread behind. check() raises the loader error MpDeviceLoader swallows."""
 
   def __init__(self, loader, num_batches, order=None):
     self.loader, self.order, self.first_step, self.error = loader, order, 0, None
@@ -140,28 +137,25 @@ class EpochLoader:
 
 
 def warmup_step_decay(step, steps_per_epoch, warmup_epochs, divide_every_n_epochs, divisor):
-  """LR factor at a global step (upstream's WarmupAndExponentialDecayScheduler): linear
-  warm-up from 0, then a division every n epochs; a resumed run gets the exact value."""
+  """upstream's WarmupAndExponentialDecayScheduler as the LR factor at a global step (exact on
+  resume): linear warm-up from 0, then a division every n epochs."""
   warmup_steps = warmup_epochs * steps_per_epoch
   if step < warmup_steps:
     return (step + 1) / warmup_steps
   return 1.0 / divisor**(step // steps_per_epoch // divide_every_n_epochs)
 
 
-# ---------------------------------------------------------------- logging, results, outputs
 class StepLog:
-  """Training lines (pytorch/xla's, which TPU users grep for) and TensorBoard scalars, in
-  order, from a thread of their own: add() is a step closure, and reading the loss in the
-  training thread would hold up the next step's tracing (a run_async closure's lines could
-  trail the epoch's)."""
+  """Training lines (pytorch/xla's, which TPU users grep for) and TensorBoard scalars, in order,
+  from a thread of their own: add() is a step closure, and reading the loss in the training
+  thread would hold up the next step (a run_async closure's lines could trail the epoch's)."""
 
   def __init__(self, device, writer):
     self.device, self.writer, self.pending = device, writer, collections.deque()
     self.thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix='log')
 
-  def add(self, epoch, step, global_step, loss, tracker, lr):
-    self.pending.append(self.thread.submit(self._print, epoch, step, global_step, loss,
-                                           tracker, lr))
+  def add(self, *line):  # What _print takes.
+    self.pending.append(self.thread.submit(self._print, *line))
 
   def _print(self, epoch, step, global_step, loss, tracker, lr):
     loss, rate = loss.item(), tracker.rate()
@@ -188,11 +182,10 @@ def compile_count():
 
 def new_results(model, **extra):
   """The numbers a run adds up as it goes, which --results_json writes (see the README)."""
-  results = dict(model=model, world_size=xr.world_size(), epochs=0, max_accuracy=0.0,
-                 final_accuracy=0.0, eval_correct=0, eval_samples=0, epoch_rates=[],
-                 epoch_device_busy=[], compilations_after_epoch=[], train_seconds=0.0,
-                 bf16=os.environ.get('XLA_USE_BF16') == '1')
-  return dict(results, **extra)  # extra may override (SPMD: world_size is every device).
+  return dict(dict(model=model, world_size=xr.world_size(), epochs=0, max_accuracy=0.0,
+                   final_accuracy=0.0, eval_correct=0, eval_samples=0, epoch_rates=[],
+                   epoch_device_busy=[], compilations_after_epoch=[], train_seconds=0.0,
+                   bf16=os.environ.get('XLA_USE_BF16') == '1'), **extra)  # extra overrides.
 
 
 def finish_results(results, global_step, samples_per_step, writer):
@@ -249,14 +242,13 @@ def write_atomically(data, url):
 
 
 def check_outputs(ckpt_dir, logdir, results_json):
-  """Writes a probe file into each output folder given, so that a place that takes no output
-  fails before training, not after it; first frees what a killed save left in ckpt_dir."""
+  """A probe file into each output folder given: a place that takes none fails before training,
+  not after it. First frees what a killed save left in ckpt_dir."""
   if ckpt_dir:
     try:
       fs, path = fsspec.core.url_to_fs(ckpt_dir)
-      for name in fs.ls(path, detail=False) if fs.isdir(path) else []:
-        if '.pt.tmp' in name.rsplit('/', 1)[-1]:
-          fs.rm(name)
+      for name in fs.glob(f'{path.rstrip("/")}/*.pt.tmp*'):
+        fs.rm(name)
     except OSError:
       pass  # Said below.
   folders = dict(ckpt_dir=ckpt_dir, logdir=logdir,
@@ -277,10 +269,8 @@ def is_master():
   return xr.process_index() == 0 if xr.is_spmd() else xm.is_master_ordinal(local=False)
 
 
-# ------------------------------------------------------------------------- stopping
 def record_stop(results, signum, global_step):
-  """Marks results as stopped after global_step steps by the stop signal this process got
-  (SIGINT, else SIGTERM here or on another replica); returns (its name, the exit code)."""
+  """Marks results stopped by signum after global_step steps; returns (its name, exit code)."""
   results['train_steps'] = global_step
   if signum == signal.SIGINT:
     results['interrupted'] = True
@@ -290,13 +280,11 @@ def record_stop(results, signum, global_step):
 
 
 class StopVote:
-  """A stop signal as a stop after the same step on every replica (SPMD: host): each step
-  sums the flags in its graph and reads the sum of LAG steps earlier, long computed."""
+  """A stop signal on any replica (SPMD: host) as a stop after the same step on all of them."""
   LAG = 2
 
   def __init__(self, device, stop_signal):
-    # Two device buffers, copied once: a step passes one, with no transfer per step. Not
-    # scalars, which torch_xla would turn into constants, a graph of their own.
+    # Device buffers copied once: no transfer per step, and no scalar constants (a graph each).
     self.flags = (torch.zeros(1).to(device), torch.ones(1).to(device))
     self.stop_signal, self.votes = stop_signal, collections.deque()
 
@@ -304,7 +292,7 @@ class StopVote:
     return xm.all_reduce(xm.REDUCE_SUM, flag)
 
   def agreed_after_step(self):
-    """True when every replica stops after this step; call it once per step."""
+    """Whether all stop after this step: a sum of flags in the step's graph, read LAG steps on."""
     self.votes.append(self.sum(self.flags[self.stop_signal() != 0]))
     return len(self.votes) > self.LAG and self.votes.popleft().item() > 0
 
