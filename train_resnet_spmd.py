@@ -15,7 +15,6 @@ exit code 75 (130).
       --batch_size 16 --num_epochs 2 --num_steps 40 --log_steps 10
 """
 
-import collections
 import os
 import sys
 import time
@@ -142,10 +141,10 @@ class MeshStopVote(utils.StopVote):
   tensor that the step's program sums."""
 
   def __init__(self, device, stop_signal, mesh):
+    super().__init__(device, stop_signal)
     local = torch.ones(xr.addressable_runtime_device_count())
     spec = xs.ShardingSpec(mesh, ('data',), minibatch=True)
     self.flags = tuple(xm.send_cpu_data_to_device(local * flag, device, spec)[0] for flag in (0, 1))
-    self.stop_signal, self.votes = stop_signal, collections.deque()
     self.agree(False)  # Compiles the epoch end's vote before epoch 1 ends.
 
   def sum(self, flag):
