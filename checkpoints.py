@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: BSD-3-Clause
 """Checkpoints: ckpt_dir/ckpt-GLOBALSTEP.pt files (local or any fsspec URL) that hold the
 whole training state, written whole or not at all, and the exact resume from them."""
 

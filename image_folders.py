@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: BSD-3-Clause
 """ImageNet-style image folders (ROOT/SPLIT/CLASS/*.jpg) for the image-folder scripts and
 the shard writer: checked at start, read with one line for a corrupt file."""
 
@@ -9,6 +10,7 @@ from PIL import Image
 from utils import BadDataError, UsageError
 
 IMG_EXTENSIONS = torchvision.datasets.folder.IMG_EXTENSIONS
+MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)  # ImageNet's, as torchvision uses
 
 
 def load_image(path):
@@ -21,38 +23,37 @@ def load_image(path):
 
 
 def check(root, splits):
-  """The class names of root/SPLIT/CLASS/*.jpg, the same in every split, or a UsageError.
-  Prints what ImageFolder will find, so that a folder that is not what one thinks shows."""
-  found = None
+  """ImageFolder datasets of root/SPLIT for each split (no transform), or a UsageError when a
+  split is not a folder of class folders of images, or the splits' classes differ."""
+  datasets = []
   for folder in (os.path.join(root, split) for split in splits):
     if not os.path.isdir(folder):
       raise UsageError(f'{folder} is not a folder: {root} needs {" and ".join(splits)} with '
                        f'one folder of images per class ({folder}/CLASS/x.jpg)')
     try:
-      classes, class_to_idx = torchvision.datasets.folder.find_classes(folder)
+      dataset = torchvision.datasets.ImageFolder(folder, loader=load_image, allow_empty=True)
     except FileNotFoundError:
       raise UsageError(f'{folder} has no class folders: put the images of each class in '
                        f'{folder}/CLASS_NAME/') from None
-    images = torchvision.datasets.folder.make_dataset(folder, class_to_idx, IMG_EXTENSIONS,
-                                                      allow_empty=True)
-    empty = sorted(set(classes) - {classes[label] for _, label in images})
+    empty = sorted(set(dataset.classes) - {dataset.classes[label] for label in dataset.targets})
     if empty:
       raise UsageError(f'class folder {os.path.join(folder, empty[0])} has no images '
                        f'({" ".join(IMG_EXTENSIONS)}): add images or remove the folder')
-    if found is not None and classes != found:
+    if datasets and dataset.classes != datasets[0].classes:
       raise UsageError(f'{folder} and {os.path.join(root, splits[0])} must hold the same '
                        'class folders')
-    found = classes
-    print(f'{folder}: {len(images):,} images in {len(classes)} classes', flush=True)
-  return found
+    datasets.append(dataset)
+  return datasets
 
 
-def load(root, img_dim, train):
-  """An ImageFolder split with the usual ImageNet augmentation (train) or centre crop (val)."""
+def load(root, img_dim):
+  """(train, val) ImageFolder datasets of root/train and root/val, checked, with the usual
+  ImageNet augmentation (train) and centre crop (val) to img_dim x img_dim."""
   T = torchvision.transforms
-  if train:
-    transform = [T.RandomResizedCrop(img_dim), T.RandomHorizontalFlip()]
-  else:  # Resize to 256/224 of the crop, as torchvision's references do at 224 px.
-    transform = [T.Resize(img_dim * 256 // 224), T.CenterCrop(img_dim)]
-  transform += [T.ToTensor(), T.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))]
-  return torchvision.datasets.ImageFolder(root, T.Compose(transform), loader=load_image)
+  train_set, val_set = check(root, ('train', 'val'))
+  # Resize to 256/224 of the crop for evaluation, as torchvision's references do at 224 px.
+  train_set.transform = T.Compose([T.RandomResizedCrop(img_dim), T.RandomHorizontalFlip(),
+                                   T.ToTensor(), T.Normalize(MEAN, STD)])
+  val_set.transform = T.Compose([T.Resize(img_dim * 256 // 224), T.CenterCrop(img_dim),
+                                 T.ToTensor(), T.Normalize(MEAN, STD)])
+  return train_set, val_set

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: BSD-3-Clause
 """Runs one command on every worker of a Cloud TPU pod slice (or of any hosts over ssh),
 prints every worker's lines under its name, and stops the command everywhere on Ctrl-C,
 SIGTERM or a failing worker: what xla_dist did before it was removed

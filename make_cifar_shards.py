@@ -78,7 +78,7 @@ def read_cifar_python(folder):
 
 def read_image_folder(root):
   """The same from DIR/train/CLASS/*.png and DIR/test/CLASS/*.png (class folders sorted)."""
-  classes = image_folders.check(root, ('train', 'test'))
+  classes = image_folders.check(root, ('train', 'test'))[0].classes
 
   def split(name):
     images, labels = [], []

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: BSD-3-Clause
 """The CIFAR shard format, for its writer (make_cifar_shards.py) and its reader
 (train_wds_cifar.py): WebDataset tar shards in which each sample is two tar members,
 KEY.rgb, the image as 3,072 raw bytes (32x32x3 uint8, height x width x channel), and

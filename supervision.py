@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: BSD-3-Clause
 """Stops and failures of the processes of a run: SIGTERM (a TPU VM's notice of maintenance
 or preemption) and Ctrl-C become a stop after the current step, a second Ctrl-C ends the
 run at once, and a replica that fails ends the others instead of leaving them waiting in a

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: BSD-3-Clause
 """Data-parallel training of a torchvision classifier on every XLA device of a host or pod.
 
 One process per local device (8 TPU cores of a v2/v3-8, 4 chips of a v4-8, ...), each
@@ -26,7 +27,6 @@ import torch_xla.distributed.parallel_loader as pl
 import torch_xla.runtime as xr
 import torch_xla.test.test_utils as test_utils
 import torch_xla.utils.utils as xu
-import torchvision
 from absl import app, flags
 from torch.utils.tensorboard import SummaryWriter
 
@@ -38,7 +38,7 @@ import utils
 FLAGS = flags.FLAGS
 flags.DEFINE_bool('fake_data', False, 'Train on constant fake batches instead of --datadir.')
 flags.DEFINE_string('datadir', None, 'ImageNet-style folder: DIR/train/CLASS/*.jpg, DIR/val/CLASS/*.jpg.')
-flags.DEFINE_string('model', 'resnet50', 'Any torchvision classification model, e.g. resnet18.')
+flags.DEFINE_string('model', 'resnet50', 'A torchvision classifier (resnet18, ...) or a name build_model knows.')
 flags.DEFINE_integer('img_dim', 224, 'Image side in pixels; small values make CPU runs fast.', lower_bound=8)
 flags.DEFINE_integer('num_cores', None, '1: one process, to debug (unset: one per local device).',
                      lower_bound=1, upper_bound=1)
@@ -74,8 +74,6 @@ flags.DEFINE_string('ckpt_dir', None, 'Save checkpoints here, resume from the ne
 flags.DEFINE_integer('ckpt_every_steps', None, 'Also save every N steps.', lower_bound=1)
 flags.DEFINE_integer('keep_checkpoints', 2, 'Checkpoints kept, besides best.pt.', lower_bound=1)
 flags.DEFINE_string('resume', None, 'Resume from this checkpoint instead of the newest in --ckpt_dir.')
-flags.register_validator('model', lambda name: name in torchvision.models.list_models(
-    torchvision.models), 'is not a torchvision classification model (e.g. resnet18, resnet50)')
 
 # Flags that may change between a run and its resumption without changing what it computes.
 RESTART_FLAGS = {'resume', 'ckpt_dir', 'ckpt_every_steps', 'keep_checkpoints', 'num_epochs',
@@ -89,6 +87,27 @@ DEFAULTS = dict(lr=0.1, lr_scheduler_type='none')
 MODEL_DEFAULTS = {'resnet50': dict(lr=0.5, lr_scheduler_type='WarmupAndExponentialDecayScheduler')}
 
 
+# ---------------------------------------------------------- your model and your data
+def build_model(cfg, num_classes):
+  """The model to train: a torch.nn.Module from a float batch (N, C, H, W) to logits (N,
+  num_classes). Here: the torchvision classifier --model names. Put yours here; a --model
+  name of your own is then accepted. Called in main, to check, and in every replica."""
+  return utils.create_model(cfg.model, num_classes)
+
+
+def build_datasets(cfg):
+  """(training set, evaluation set, class count) of a run without --fake_data: map-style
+  datasets of (C x H x W float tensor, integer label below the class count), all of one
+  shape. Here: --datadir's ImageNet-style folders. A utils.UsageError is said in one line.
+  Called in main, to check (first and last samples too), and in every replica."""
+  if not cfg.datadir:
+    raise utils.UsageError('give --datadir DIR (DIR/train/CLASS/*.jpg, DIR/val/CLASS/*.jpg) '
+                           'or --fake_data')
+  train_set, val_set = image_folders.load(cfg.datadir, cfg.img_dim)
+  return train_set, val_set, len(train_set.classes)
+
+
+# ------------------------------------------------------------------------------ loop
 def load_data(cfg, rank, world_size):
   """This replica's train and test loaders (as many batches as every replica's, at most
   --num_steps), and the class count."""
@@ -100,8 +119,7 @@ def load_data(cfg, rank, world_size):
       return utils.EpochLoader(xu.SampleGenerator(batch, samples // world_size // batch_size), cap)
     return (fake(cfg.batch_size, FAKE_TRAIN_SAMPLES),
             fake(cfg.test_set_batch_size, FAKE_TEST_SAMPLES), FAKE_CLASSES)
-  train_set = image_folders.load(os.path.join(cfg.datadir, 'train'), cfg.img_dim, train=True)
-  test_set = image_folders.load(os.path.join(cfg.datadir, 'val'), cfg.img_dim, train=False)
+  train_set, test_set, num_classes = build_datasets(cfg)
   # The order is a function of (seed, epoch) and each image is cropped by its own seed, so a
   # resumed run sees the very batches an uninterrupted one would.
   sampler = utils.EpochSampler(train_set, rank, world_size, cfg.seed, cfg.batch_size)
@@ -113,18 +131,17 @@ def load_data(cfg, rank, world_size):
   if len(train_loader) == 0:
     raise utils.UsageError(f'{len(train_set)} training images make no batch of {cfg.batch_size} for '
                            f'each of {world_size} replicas: lower --batch_size or pass --nodrop_last')
-  test_set = utils.eval_share(test_set, rank, world_size, cfg.test_set_batch_size,
-                              blank=torch.zeros(3, cfg.img_dim, cfg.img_dim))
+  test_set = utils.eval_share(test_set, rank, world_size, cfg.test_set_batch_size)
   test_loader = torch.utils.data.DataLoader(test_set, cfg.test_set_batch_size, **workers)
   return (utils.EpochLoader(train_loader, cap, order=sampler), utils.EpochLoader(test_loader, cap),
-          len(train_set.classes))
+          num_classes)
 
 
 def start_run(cfg, num_classes, steps_per_epoch, stop_signal):
   """Model, optimizer, LR schedule, log, stop vote and results of this replica, restored from
   the newest checkpoint if there is one; run.epoch and run.step are where training goes on."""
   device = torch_xla.device()
-  model = utils.create_model(cfg.model, num_classes).to(device)
+  model = build_model(cfg, num_classes).to(device)
   xm.broadcast_master_param(model)  # Every replica starts from the master's weights.
   optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum,
                               weight_decay=cfg.weight_decay)
@@ -241,6 +258,7 @@ def train(cfg, stop_signal):
                   host_to_device_transfer_threads=cfg.host_to_device_transfer_threads)
   train_device_loader = pl.MpDeviceLoader(train_loader, device, **prefetch)
   test_device_loader = pl.MpDeviceLoader(test_loader, device, **prefetch)
+  xm.master_print(f'Replicas started: {world_size}; compiling the first step ...', flush=True)
   for epoch in range(run.epoch, cfg.num_epochs + 1):
     first_step = run.step if epoch == run.epoch else 0
     train_loader.set_epoch(epoch, first_step)  # Skips, on the host, what a resumed run trained.
@@ -284,24 +302,37 @@ def _mp_fn(index, flag_values):
   sys.exit(utils.exit_code(results, cfg.target_accuracy))
 
 
+def check_job(cfg):
+  """Builds the data and the model once, before any replica starts, and says what they are:
+  bad input is one line, not one per replica."""
+  if cfg.fake_data:
+    num_classes = FAKE_CLASSES
+    print(f'Data: fake, constant batches of 3x{cfg.img_dim}x{cfg.img_dim}, {num_classes} classes')
+  else:
+    train_set, test_set, num_classes = build_datasets(cfg)
+    print(utils.check_datasets(train_set, test_set, num_classes))
+  print(utils.describe_model(cfg.model, build_model(cfg, num_classes), num_classes))
+  tuned = f"{cfg.model}'s tuned" if cfg.model in MODEL_DEFAULTS else 'the default'
+  print(utils.describe_recipe(cfg, f'{tuned} recipe where --lr or --lr_scheduler_type is unset'),
+        flush=True)
+
+
 def main(argv):
   del argv
   flag_values = FLAGS.flag_values_dict()
   for name, value in MODEL_DEFAULTS.get(FLAGS.model, DEFAULTS).items():
     if flag_values[name] is None:
       flag_values[name] = value
+  flag_values['num_workers'] = utils.usable_workers(FLAGS.num_workers)
   if FLAGS.bf16:
     os.environ['XLA_USE_BF16'] = '1'  # Inherited by the spawned replicas.
-  # Check the inputs here, once, before any replica starts: bad input is one line, not N.
   try:
-    if not FLAGS.fake_data and not FLAGS.datadir:
-      raise utils.UsageError('give --datadir DIR (DIR/train/CLASS/*.jpg, DIR/val/CLASS/*.jpg) '
-                             'or --fake_data')
-    if not FLAGS.fake_data:
-      image_folders.check(FLAGS.datadir, ('train', 'val'))
+    check_job(SimpleNamespace(**flag_values))
     utils.check_outputs(FLAGS.ckpt_dir, FLAGS.logdir, FLAGS.results_json)
-  except utils.UsageError as e:
+  except (utils.UsageError, utils.BadDataError) as e:
     utils.die(e)
+  print('Starting ' + ('one replica (--num_cores 1)' if FLAGS.num_cores == 1 else
+                       'one replica per local XLA device') + ' ...', flush=True)
   # A stop signal stops every replica after a step; a failing one ends them all: see there.
   with supervision.run_watched(launcher=FLAGS.num_cores != 1):
     torch_xla.launch(_mp_fn, args=(flag_values,), debug_single_process=FLAGS.num_cores == 1)

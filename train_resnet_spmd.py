@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: BSD-3-Clause
 """Data-parallel training of a torchvision classifier the SPMD way, on every XLA device of a
 host or pod, from ONE process per host.
 
@@ -32,7 +33,6 @@ import torch_xla.distributed.spmd as xs
 import torch_xla.runtime as xr
 import torch_xla.test.test_utils as test_utils
 import torch_xla.utils.utils as xu
-import torchvision
 from absl import app, flags
 from torch.utils.tensorboard import SummaryWriter
 
@@ -44,7 +44,7 @@ import utils
 FLAGS = flags.FLAGS
 flags.DEFINE_bool('fake_data', False, 'Train on constant fake batches instead of --datadir.')
 flags.DEFINE_string('datadir', None, 'ImageNet-style folder: DIR/train/CLASS/*.jpg, DIR/val/CLASS/*.jpg.')
-flags.DEFINE_string('model', 'resnet50', 'Any torchvision classification model, e.g. resnet18.')
+flags.DEFINE_string('model', 'resnet50', 'A torchvision classifier (resnet18, ...) or a name build_model knows.')
 flags.DEFINE_integer('img_dim', 224, 'Image side in pixels; small values make CPU runs fast.', lower_bound=8)
 flags.DEFINE_integer('batch_size', 128, 'Training batch size per device (the global batch is this '
                      'times the devices of all hosts).', lower_bound=1)
@@ -79,8 +79,6 @@ flags.DEFINE_string('ckpt_dir', None, 'Save checkpoints here, resume from the ne
 flags.DEFINE_integer('ckpt_every_steps', None, 'Also save every N steps.', lower_bound=1)
 flags.DEFINE_integer('keep_checkpoints', 2, 'Checkpoints kept, besides best.pt.', lower_bound=1)
 flags.DEFINE_string('resume', None, 'Resume from this checkpoint instead of the newest in --ckpt_dir.')
-flags.register_validator('model', lambda name: name in torchvision.models.list_models(
-    torchvision.models), 'is not a torchvision classification model (e.g. resnet18, resnet50)')
 
 # Flags that may change between a run and its resumption without changing what it computes.
 RESTART_FLAGS = {'resume', 'ckpt_dir', 'ckpt_every_steps', 'keep_checkpoints', 'num_epochs',
@@ -100,6 +98,27 @@ def as_dict(samples):
   return dict(images=images, labels=labels)
 
 
+# ---------------------------------------------------------- your model and your data
+def build_model(cfg, num_classes):
+  """The model to train: a torch.nn.Module from a float batch (N, C, H, W) to logits (N,
+  num_classes). Here: the torchvision classifier --model names. Put yours here; a --model
+  name of your own is then accepted. Called on every host, seeded with --seed."""
+  return utils.create_model(cfg.model, num_classes)
+
+
+def build_datasets(cfg):
+  """(training set, evaluation set, class count) of a run without --fake_data: map-style
+  datasets of (C x H x W float tensor, integer label below the class count), all of one
+  shape. Here: --datadir's ImageNet-style folders. A utils.UsageError is said in one line.
+  Called on every host; their first and last samples are checked."""
+  if not cfg.datadir:
+    raise utils.UsageError('give --datadir DIR (DIR/train/CLASS/*.jpg, DIR/val/CLASS/*.jpg) '
+                           'or --fake_data')
+  train_set, val_set = image_folders.load(cfg.datadir, cfg.img_dim)
+  return train_set, val_set, len(train_set.classes)
+
+
+# ------------------------------------------------------------------------------ loop
 def load_data(cfg, host, hosts, local_devices):
   """This host's part of every global batch (batch_size x its devices) of the train and
   test sets, capped at --num_steps, and the class count. Every host gets the same number
@@ -111,10 +130,12 @@ def load_data(cfg, host, hosts, local_devices):
       batch = dict(images=torch.zeros(batch_size, 3, cfg.img_dim, cfg.img_dim),
                    labels=torch.zeros(batch_size, dtype=torch.int64))
       return utils.EpochLoader(xu.SampleGenerator(batch, samples // hosts // batch_size), cap)
+    xm.master_print(f'Data: fake, constant batches of 3x{cfg.img_dim}x{cfg.img_dim}, '
+                    f'{FAKE_CLASSES} classes', flush=True)
     return (fake(batch_size, FAKE_TRAIN_SAMPLES), fake(test_batch_size, FAKE_TEST_SAMPLES),
             FAKE_CLASSES)
-  train_set = image_folders.load(os.path.join(cfg.datadir, 'train'), cfg.img_dim, train=True)
-  test_set = image_folders.load(os.path.join(cfg.datadir, 'val'), cfg.img_dim, train=False)
+  train_set, test_set, num_classes = build_datasets(cfg)
+  xm.master_print(utils.check_datasets(train_set, test_set, num_classes), flush=True)
   # The order is a function of (seed, epoch) and each image is cropped by its own seed, so a
   # resumed run sees the very batches an uninterrupted one would.
   sampler = utils.EpochSampler(train_set, host, hosts, cfg.seed, batch_size)
@@ -129,11 +150,10 @@ def load_data(cfg, host, hosts, local_devices):
                            f'{cfg.batch_size} x {local_devices * hosts} devices: lower '
                            '--batch_size or pass --nodrop_last')
   # Padded with label -1 (not counted) to whole batches: every batch has one shape.
-  test_set = utils.eval_share(test_set, host, hosts, test_batch_size,
-                              blank=torch.zeros(3, cfg.img_dim, cfg.img_dim))
+  test_set = utils.eval_share(test_set, host, hosts, test_batch_size)
   test_loader = torch.utils.data.DataLoader(test_set, test_batch_size, **workers)
   return (utils.EpochLoader(train_loader, cap, order=sampler), utils.EpochLoader(test_loader, cap),
-          len(train_set.classes))
+          num_classes)
 
 
 class MeshStopVote(utils.StopVote):
@@ -159,7 +179,12 @@ def start_run(cfg, num_classes, steps_per_epoch, stop_signal, mesh):
   checkpoint if there is one; run.epoch and run.step are where training goes on."""
   device = torch_xla.device()  # One device that stands for the whole mesh.
   # Replicated on every device; every host builds the same weights from the same seed.
-  model = utils.create_model(cfg.model, num_classes).to(device)
+  model = build_model(cfg, num_classes)
+  xm.master_print(utils.describe_model(cfg.model, model, num_classes), flush=True)
+  xm.master_print(utils.describe_recipe(cfg, (
+      f"{cfg.model}'s tuned" if cfg.model in MODEL_DEFAULTS else 'the default') +
+      ' recipe where --lr or --lr_scheduler_type is unset'), flush=True)
+  model = model.to(device)
   optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum,
                               weight_decay=cfg.weight_decay)
   scheduler = None
@@ -284,6 +309,7 @@ def train(cfg, stop_signal):
                   input_sharding=sharding)
   train_device_loader = pl.MpDeviceLoader(train_loader, device, **prefetch)
   test_device_loader = pl.MpDeviceLoader(test_loader, device, **prefetch)
+  xm.master_print(f'Mesh of {devices} devices; compiling the first step ...', flush=True)
   for epoch in range(run.epoch, cfg.num_epochs + 1):
     first_step = run.step if epoch == run.epoch else 0
     train_loader.set_epoch(epoch, first_step)  # Skips, on the host, what a resumed run trained.
@@ -322,6 +348,7 @@ def main(argv):
   for name, value in MODEL_DEFAULTS.get(cfg.model, DEFAULTS).items():
     if getattr(cfg, name) is None:
       setattr(cfg, name, value)
+  cfg.num_workers = utils.usable_workers(cfg.num_workers)
   if cfg.bf16:
     os.environ['XLA_USE_BF16'] = '1'  # Read when the runtime starts, which is still ahead.
   # Before any XLA tensor or device exists: the runtime then makes every device one mesh.
@@ -330,11 +357,6 @@ def main(argv):
   # the run at once.
   with supervision.run_watched(launcher=False):
     try:
-      if not cfg.fake_data and not cfg.datadir:
-        raise utils.UsageError('give --datadir DIR (DIR/train/CLASS/*.jpg, DIR/val/CLASS/*.jpg) '
-                               'or --fake_data')
-      if not cfg.fake_data:
-        image_folders.check(cfg.datadir, ('train', 'val'))
       utils.check_outputs(cfg.ckpt_dir, cfg.logdir, cfg.results_json)
       results = train(cfg, supervision.stop_signal)
       if utils.is_master():

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: BSD-3-Clause
 """Trains a torchvision classifier on ONE XLA device: a TPU core, or XLA:CPU without a TPU.
 
 No processes are spawned, so this is the script for debugging, for profiling one core and
@@ -24,7 +25,6 @@ import torch_xla.debug.profiler as xp
 import torch_xla.distributed.parallel_loader as pl
 import torch_xla.test.test_utils as test_utils
 import torch_xla.utils.utils as xu
-import torchvision
 from absl import app, flags
 from torch.utils.tensorboard import SummaryWriter
 
@@ -36,7 +36,7 @@ import utils
 FLAGS = flags.FLAGS
 flags.DEFINE_bool('fake_data', False, 'Train on constant fake batches instead of --datadir.')
 flags.DEFINE_string('datadir', None, 'ImageNet-style folder: DIR/train/CLASS/*.jpg, DIR/val/CLASS/*.jpg.')
-flags.DEFINE_string('model', 'resnet50', 'Any torchvision classification model, e.g. resnet18.')
+flags.DEFINE_string('model', 'resnet50', 'A torchvision classifier (resnet18, ...) or a name build_model knows.')
 flags.DEFINE_integer('img_dim', 224, 'Image side in pixels; small values make CPU runs fast.', lower_bound=8)
 flags.DEFINE_integer('batch_size', 128, 'Training batch size.', lower_bound=1)
 flags.DEFINE_integer('test_set_batch_size', 64, 'Evaluation batch size.', lower_bound=1)
@@ -70,8 +70,6 @@ flags.DEFINE_string('ckpt_dir', None, 'Save checkpoints here, resume from the ne
 flags.DEFINE_integer('ckpt_every_steps', None, 'Also save every N steps.', lower_bound=1)
 flags.DEFINE_integer('keep_checkpoints', 2, 'Checkpoints kept, besides best.pt.', lower_bound=1)
 flags.DEFINE_string('resume', None, 'Resume from this checkpoint instead of the newest in --ckpt_dir.')
-flags.register_validator('model', lambda name: name in torchvision.models.list_models(
-    torchvision.models), 'is not a torchvision classification model (e.g. resnet18, resnet50)')
 
 # Flags that may change between a run and its resumption without changing what it computes.
 RESTART_FLAGS = {'resume', 'ckpt_dir', 'ckpt_every_steps', 'keep_checkpoints', 'num_epochs',
@@ -82,6 +80,27 @@ RESTART_FLAGS = {'resume', 'ckpt_dir', 'ckpt_every_steps', 'keep_checkpoints', '
 FAKE_TRAIN_SAMPLES, FAKE_TEST_SAMPLES, FAKE_CLASSES = 1_200_000, 50_000, 1000  # ImageNet's
 
 
+# ---------------------------------------------------------- your model and your data
+def build_model(cfg, num_classes):
+  """The model to train: a torch.nn.Module from a float batch (N, C, H, W) to logits (N,
+  num_classes). Here: the torchvision classifier --model names. Put yours here; a --model
+  name of your own is then accepted. Called once, seeded with --seed."""
+  return utils.create_model(cfg.model, num_classes)
+
+
+def build_datasets(cfg):
+  """(training set, evaluation set, class count) of a run without --fake_data: map-style
+  datasets of (C x H x W float tensor, integer label below the class count), all of one
+  shape. Here: --datadir's ImageNet-style folders. A utils.UsageError is said in one line.
+  Its first and last samples are checked at start."""
+  if not cfg.datadir:
+    raise utils.UsageError('give --datadir DIR (DIR/train/CLASS/*.jpg, DIR/val/CLASS/*.jpg) '
+                           'or --fake_data')
+  train_set, val_set = image_folders.load(cfg.datadir, cfg.img_dim)
+  return train_set, val_set, len(train_set.classes)
+
+
+# ------------------------------------------------------------------------------ loop
 def load_data(cfg, rank, world_size):
   """This replica's train and test loaders, capped at --num_steps, and the class count.
   Every replica gets the same number of train and test batches."""
@@ -91,10 +110,12 @@ def load_data(cfg, rank, world_size):
       batch = (torch.zeros(batch_size, 3, cfg.img_dim, cfg.img_dim),
                torch.zeros(batch_size, dtype=torch.int64))
       return utils.EpochLoader(xu.SampleGenerator(batch, samples // world_size // batch_size), cap)
+    xm.master_print(f'Data: fake, constant batches of 3x{cfg.img_dim}x{cfg.img_dim}, '
+                    f'{FAKE_CLASSES} classes', flush=True)
     return (fake(cfg.batch_size, FAKE_TRAIN_SAMPLES),
             fake(cfg.test_set_batch_size, FAKE_TEST_SAMPLES), FAKE_CLASSES)
-  train_set = image_folders.load(os.path.join(cfg.datadir, 'train'), cfg.img_dim, train=True)
-  test_set = image_folders.load(os.path.join(cfg.datadir, 'val'), cfg.img_dim, train=False)
+  train_set, test_set, num_classes = build_datasets(cfg)
+  xm.master_print(utils.check_datasets(train_set, test_set, num_classes), flush=True)
   # The order is a function of (seed, epoch) and each image is cropped by its own seed, so a
   # resumed run sees the very batches an uninterrupted one would.
   sampler = utils.EpochSampler(train_set, rank, world_size, cfg.seed, cfg.batch_size)
@@ -108,18 +129,20 @@ def load_data(cfg, rank, world_size):
     raise utils.UsageError(f'{len(train_set)} training images make no batch of {cfg.batch_size} '
                            f'for each of {world_size} replicas: lower --batch_size or pass '
                            '--nodrop_last')
-  test_set = utils.eval_share(test_set, rank, world_size, cfg.test_set_batch_size,
-                              blank=torch.zeros(3, cfg.img_dim, cfg.img_dim))
+  test_set = utils.eval_share(test_set, rank, world_size, cfg.test_set_batch_size)
   test_loader = torch.utils.data.DataLoader(test_set, cfg.test_set_batch_size, **workers)
   return (utils.EpochLoader(train_loader, cap, order=sampler), utils.EpochLoader(test_loader, cap),
-          len(train_set.classes))
+          num_classes)
 
 
 def start_run(cfg, num_classes, steps_per_epoch, stop_signal):
   """Model, optimizer, LR schedule, log and results, restored from the newest checkpoint if
   there is one; run.epoch and run.step are where training goes on."""
   device = torch_xla.device()
-  model = utils.create_model(cfg.model, num_classes).to(device)
+  model = build_model(cfg, num_classes)
+  xm.master_print(utils.describe_model(cfg.model, model, num_classes), flush=True)
+  xm.master_print(utils.describe_recipe(cfg, 'set by --lr, --lr_scheduler_type, --momentum and --weight_decay'), flush=True)
+  model = model.to(device)
   optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum,
                               weight_decay=cfg.weight_decay)
   scheduler = None
@@ -232,6 +255,7 @@ def train(cfg, stop_signal):
                   host_to_device_transfer_threads=cfg.host_to_device_transfer_threads)
   train_device_loader = pl.MpDeviceLoader(train_loader, device, **prefetch)
   test_device_loader = pl.MpDeviceLoader(test_loader, device, **prefetch)
+  xm.master_print(f'Device {device}; compiling the first step ...', flush=True)
   for epoch in range(run.epoch, cfg.num_epochs + 1):
     first_step = run.step if epoch == run.epoch else 0
     train_loader.set_epoch(epoch, first_step)  # Skips, on the host, what a resumed run trained.
@@ -269,14 +293,10 @@ def main(argv):
   if FLAGS.bf16:
     os.environ['XLA_USE_BF16'] = '1'  # Read when the runtime starts, which is still ahead.
   cfg = SimpleNamespace(**FLAGS.flag_values_dict())
+  cfg.num_workers = utils.usable_workers(cfg.num_workers)
   # SIGTERM and Ctrl-C stop after a step; a second Ctrl-C ends the run at once.
   with supervision.run_watched(launcher=False):
     try:
-      if not cfg.fake_data and not cfg.datadir:
-        raise utils.UsageError('give --datadir DIR (DIR/train/CLASS/*.jpg, DIR/val/CLASS/*.jpg) '
-                               'or --fake_data')
-      if not cfg.fake_data:
-        image_folders.check(cfg.datadir, ('train', 'val'))
       utils.check_outputs(cfg.ckpt_dir, cfg.logdir, cfg.results_json)
       results = train(cfg, supervision.stop_signal)
       utils.write_results(cfg.results_json, results)

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: BSD-3-Clause
 """Trains a ResNet on CIFAR-10 streamed from WebDataset tar shards, on every XLA device.
 
 The shards (written by make_cifar_shards.py) are read from a local folder, http(s), gs://
@@ -34,7 +35,6 @@ import torch_xla.debug.profiler as xp
 import torch_xla.distributed.parallel_loader as pl
 import torch_xla.runtime as xr
 import torch_xla.test.test_utils as test_utils
-import torchvision
 import webdataset as wds
 from absl import app, flags
 from torch.utils.tensorboard import SummaryWriter
@@ -54,7 +54,7 @@ flags.DEFINE_integer('testsize', None, 'Test samples in the shards (all of them)
 flags.DEFINE_integer('shuffle_buffer', 10000, 'Samples each loader worker shuffles.', lower_bound=1)
 flags.DEFINE_bool('fail_on_bad_data', False, 'Stop at a bad shard or sample instead of skipping it.')
 flags.DEFINE_string('model', 'resnet18', 'A torchvision ResNet (resnet18, resnet50, resnext50_32x4d, '
-                    'wide_resnet50_2, ...), given the CIFAR stem.')
+                    'wide_resnet50_2, ...), given the CIFAR stem, or a name build_model knows.')
 flags.DEFINE_integer('num_classes', 10, 'Number of classes (labels 0..N-1).', lower_bound=2)
 flags.DEFINE_integer('num_cores', None, '1: one process, to debug (unset: one per local device).',
                      lower_bound=1, upper_bound=1)
@@ -88,9 +88,6 @@ flags.DEFINE_bool('metrics_debug', False, "Print torch_xla's metrics report afte
 flags.DEFINE_bool('profile', False, 'Start the profiler server so TensorBoard can capture a trace.')
 flags.DEFINE_integer('profiler_port', 9012, 'Profiler port of local replica 0 (replica i: + i).')
 flags.DEFINE_string('results_json', None, 'Write accuracy, rates and compile counts here at exit.')
-flags.register_validator('model', lambda name: name.startswith(('resnet', 'resnext', 'wide_resnet'))
-                         and name in torchvision.models.list_models(torchvision.models),
-                         'is not a torchvision ResNet (resnet18, resnet50, resnext50_32x4d, ...)')
 # Flags that may change between a run and its resumption without changing what it computes.
 RESTART_FLAGS = {'resume', 'ckpt_dir', 'ckpt_every_steps', 'keep_checkpoints', 'num_epochs',
                  'log_steps', 'logdir', 'results_json', 'metrics_debug', 'profile',
@@ -223,18 +220,30 @@ def load_data(cfg, rank, world_size):
                     f'{cfg.testsize}', fd=sys.stderr)
   images, labels = to_tensors(np.stack([image for image, _ in samples]), [l for _, l in samples])
   test_set = utils.eval_share(list(zip(images, labels.tolist())), rank, world_size,
-                              cfg.test_set_batch_size, blank=torch.zeros_like(images[0]))
+                              cfg.test_set_batch_size)
   test_loader = torch.utils.data.DataLoader(test_set, cfg.test_set_batch_size)
   return (utils.EpochLoader(train_loader, train_set.batches, order=train_set),
           utils.EpochLoader(test_loader, cfg.num_steps or sys.maxsize))
 
 
-# ----------------------------------------------------------------------------- model
+# ------------------------------------------------------------------------ your model
+def build_model(cfg, num_classes):
+  """The model to train: a torch.nn.Module from a uint8 batch (N, 3, 32, 32) to logits (N,
+  num_classes). Here: the torchvision ResNet --model names, with the CIFAR stem. Put yours
+  here (keep cifar_resnet's first two layers, which make floats of the uint8 images); a
+  --model name of your own is then accepted. Images of another format or size: the place
+  is shard_format.decode. Called in main, to check, and in every replica."""
+  if not cfg.model.startswith(('resnet', 'resnext', 'wide_resnet')):
+    raise utils.UsageError(f'--model {cfg.model} is not a torchvision ResNet (resnet18, resnet50, '
+                           'resnext50_32x4d, ...): name one, or build yours in build_model')
+  return cifar_resnet(cfg.model, num_classes)
+
+
 def cifar_resnet(name, num_classes):
   """A torchvision ResNet with the usual CIFAR stem: a 3x3 stride-1 first convolution and
   no max-pool. The ImageNet stem (7x7 stride 2, then a max-pool) would shrink 32x32
   images to 8x8 before the first block and cost accuracy."""
-  model = torchvision.models.get_model(name, weights=None, num_classes=num_classes)
+  model = utils.create_model(name, num_classes)
   model.conv1 = torch.nn.Conv2d(3, model.conv1.out_channels, 3, 1, 1, bias=False)
   torch.nn.init.kaiming_normal_(model.conv1.weight, mode='fan_out', nonlinearity='relu')
   model.maxpool = torch.nn.Identity()
@@ -249,7 +258,7 @@ def start_run(cfg, steps_per_epoch, stop_signal):
   """Model, optimizer, LR schedule, log, stop vote and results of this replica, restored from
   the newest checkpoint if there is one; run.epoch and run.step are where training goes on."""
   device = torch_xla.device()
-  model = cifar_resnet(cfg.model, cfg.num_classes).to(device)
+  model = build_model(cfg, cfg.num_classes).to(device)
   xm.broadcast_master_param(model)  # Every replica starts from the master's weights.
   optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum,
                               weight_decay=cfg.weight_decay)
@@ -366,6 +375,7 @@ def train(cfg, stop_signal):
                   host_to_device_transfer_threads=cfg.host_to_device_transfer_threads)
   train_device_loader = pl.MpDeviceLoader(train_loader, device, **prefetch)
   test_device_loader = pl.MpDeviceLoader(test_loader, device, **prefetch)
+  xm.master_print(f'Replicas started: {world_size}; compiling the first step ...', flush=True)
   for epoch in range(run.epoch, cfg.num_epochs + 1):
     first_step = run.step if epoch == run.epoch else 0
     # Shard order, shuffle and crops: a function of (seed, epoch); a resumed run reads the
@@ -426,19 +436,26 @@ def _mp_fn(index, flag_values):
 
 def main(argv):
   del argv
+  flag_values = FLAGS.flag_values_dict()
+  flag_values['num_workers'] = utils.usable_workers(FLAGS.num_workers)
   if FLAGS.bf16:
     os.environ['XLA_USE_BF16'] = '1'  # Inherited by the spawned replicas.
   # Check the inputs here, once, before any replica starts: bad input is one line, not N.
   try:
     shard_format.check_shards('wds_traindir', FLAGS.wds_traindir, FLAGS.fail_on_bad_data)
     shard_format.check_shards('wds_testdir', FLAGS.wds_testdir, FLAGS.fail_on_bad_data)
+    cfg = SimpleNamespace(**flag_values)
+    print(utils.describe_model(cfg.model, build_model(cfg, cfg.num_classes), cfg.num_classes))
+    print(utils.describe_recipe(cfg, 'set by --lr, --lr_scheduler_type, --momentum and '
+                                '--weight_decay'), flush=True)
     utils.check_outputs(FLAGS.ckpt_dir, FLAGS.logdir, FLAGS.results_json)
   except utils.UsageError as e:
     utils.die(e)
+  print('Starting ' + ('one replica (--num_cores 1)' if FLAGS.num_cores == 1 else
+                       'one replica per local XLA device') + ' ...', flush=True)
   # A stop signal stops every replica after a step; a failing one ends them all: see there.
   with supervision.run_watched(launcher=FLAGS.num_cores != 1):
-    torch_xla.launch(_mp_fn, args=(FLAGS.flag_values_dict(),),
-                     debug_single_process=FLAGS.num_cores == 1)
+    torch_xla.launch(_mp_fn, args=(flag_values,), debug_single_process=FLAGS.num_cores == 1)
 
 
 if __name__ == '__main__':

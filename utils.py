@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: BSD-3-Clause
 """What the training loops share: one-line errors, the split of work across replicas, the
 training log, results and outputs, and the stop agreed by every replica. Nothing here reads
 FLAGS or holds a script's choices."""
@@ -7,6 +8,7 @@ import concurrent.futures
 import io
 import itertools
 import json
+import numbers
 import os
 import signal
 import sys
@@ -55,9 +57,76 @@ def parse_flags(argv):
 
 def create_model(name, num_classes):
   """A torchvision classifier with fresh weights (nothing is downloaded)."""
+  if name not in torchvision.models.list_models(torchvision.models):
+    raise UsageError(f'--model {name} is not a torchvision classification model (e.g. resnet18, '
+                     "resnet50): name one, or build your own in the script's build_model")
   # Models with auxiliary heads return a tuple in training mode; the loop wants logits.
   aux = dict(aux_logits=False, init_weights=True) if name in ('googlenet', 'inception_v3') else {}
   return torchvision.models.get_model(name, weights=None, num_classes=num_classes, **aux)
+
+
+def check_datasets(train_set, eval_set, num_classes):
+  """What a script's build_datasets made, checked at start on the first and last sample of
+  each set: (C x H x W float tensor, integer label below num_classes), one shape in both.
+  Returns a line that says what the data is."""
+  shapes = {}
+  for name, dataset in (('training', train_set), ('evaluation', eval_set)):
+    if not hasattr(dataset, '__len__') or len(dataset) == 0:
+      raise UsageError(f'build_datasets: the {name} set is empty or has no len(): give a '
+                       'map-style dataset (len() and [index]) of samples')
+    for index in sorted({0, len(dataset) - 1}):
+      where, sample = f'{name} sample {index}', dataset[index]
+      image, label = sample if isinstance(sample, (tuple, list)) and len(sample) == 2 else (0, 0)
+      if not (torch.is_tensor(image) and image.dim() == 3 and image.is_floating_point()):
+        raise UsageError(f'build_datasets: {where} is {_kind(sample)}: give (C x H x W float '
+                         'tensor, label)')
+      label = label.item() if torch.is_tensor(label) and label.dim() == 0 else label
+      if not (isinstance(label, numbers.Integral) and 0 <= label < num_classes):
+        raise UsageError(f'build_datasets: {where} has label {_kind(label)}: give integers '
+                         f'from 0 to {num_classes - 1} (the class count it returned)')
+      shapes.setdefault('x'.join(map(str, image.shape)), where)
+  if len(shapes) > 1:
+    (shape, where), (other, other_where) = list(shapes.items())[:2]
+    raise UsageError(f'build_datasets: {other_where} is {other}, {where} is {shape}: give samples '
+                     'of one shape (batches stack them; a new shape compiles a new graph)')
+  return (f'Data: {len(train_set):,} training and {len(eval_set):,} evaluation samples of '
+          f'{next(iter(shapes))}, {num_classes} classes')
+
+
+def _kind(value):
+  if torch.is_tensor(value):
+    return f'a {"x".join(map(str, value.shape)) or "0-d"} {value.dtype} tensor'
+  if isinstance(value, (tuple, list)):
+    return f'a {type(value).__name__} of {", ".join(map(_kind, value))}'
+  return repr(value) if isinstance(value, (int, float, str)) else f'a {type(value).__name__}'
+
+
+def describe_model(name, model, num_classes):
+  """The line that says which model a run trains, as build_model made it."""
+  parameters = sum(parameter.numel() for parameter in model.parameters())
+  return (f'Model: {name} ({type(model).__name__}, {parameters / 1e6:.2f}M parameters, '
+          f'{num_classes} classes)')
+
+
+def describe_recipe(cfg, source):
+  """The line that says which optimiser settings a run uses, and where they came from."""
+  schedule = 'constant'
+  if cfg.lr_scheduler_type == 'WarmupAndExponentialDecayScheduler':
+    schedule = (f'linear warm-up over {cfg.lr_warmup_epochs:g} epochs, then divided by '
+                f'{cfg.lr_scheduler_divisor:g} every {cfg.lr_scheduler_divide_every_n_epochs} epochs')
+  return (f'Recipe: SGD, lr {cfg.lr:g} {schedule}, momentum {cfg.momentum:g}, weight decay '
+          f'{cfg.weight_decay:g} ({source})')
+
+
+def usable_workers(num_workers):
+  """num_workers, at most the CPUs this process may use: more loader workers only add start-up
+  time and memory (on 2 cores, 8 workers made a 1-minute run take 4.5)."""
+  cpus = len(os.sched_getaffinity(0))
+  if num_workers <= cpus:
+    return num_workers
+  print(f'--num_workers {num_workers} is more than the {cpus} CPUs this process may use: '
+        f'using {cpus}', flush=True)
+  return cpus
 
 
 class EpochSampler(torch.utils.data.DistributedSampler):
@@ -96,12 +165,16 @@ class SeededSamples(torch.utils.data.Dataset):
       return self.dataset[key[1]]
 
 
-def eval_share(dataset, rank, world_size, batch_size, blank):
-  """Samples rank, rank + world_size, ... padded with (blank, -1), not counted, to as many
-  batches as every replica's: none waits for another (pytorch/xla#2749), one batch shape."""
+def eval_share(dataset, rank, world_size, batch_size):
+  """Samples rank, rank + world_size, ... padded with (zeros shaped like sample 0, label -1),
+  not counted, to as many batches as every replica's: none waits for another
+  (pytorch/xla#2749), and every batch has one shape."""
+  image, label = dataset[0]
+  # A tensor label gets a tensor -1: a batch's labels are stacked, and must be of one type.
+  blank = (torch.zeros_like(image), torch.full_like(label, -1) if torch.is_tensor(label) else -1)
   steps = -(-len(dataset) // world_size // batch_size)
   share = torch.utils.data.Subset(dataset, range(rank, len(dataset), world_size))
-  return torch.utils.data.ConcatDataset([share, [(blank, -1)] * (steps * batch_size - len(share))])
+  return torch.utils.data.ConcatDataset([share, [blank] * (steps * batch_size - len(share))])
 
 
 class EpochLoader:
@@ -130,6 +203,10 @@ class EpochLoader:
       yield from itertools.islice(batches, self.num_batches - self.first_step)
     except Exception as e:
       self.error = e
+      if 'stack expects each tensor to be equal size' in str(e):  # default_collate's words
+        detail = str(e).strip().splitlines()[-1]  # From a loader worker: its traceback too.
+        self.error = BadDataError(f'samples of different shapes in one batch ({detail}): make '
+                                  "every sample one shape (in build_datasets' transform)")
 
   def check(self):
     if self.error is not None:

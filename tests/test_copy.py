@@ -3,8 +3,10 @@ imports beside it, or without supervision.py under torchrun (the lines the READM
 taken out)."""
 
 import re
+import shlex
 import subprocess
 import sys
+import textwrap
 
 from conftest import REPO, losses, read_json, script_env
 
@@ -47,3 +49,54 @@ def test_mp_script_without_supervision_trains_under_torchrun(tmp_path):
   assert result.returncode == 0, result.stderr[-3000:]
   assert len(losses(result.stdout)) == 3, result.stdout
   assert read_json(tmp_path / 'r.json')['train_steps'] == 3
+
+
+def readme_adapt_steps():
+  """The three code blocks of README's "Adapt it" worked example: (copy commands, the two
+  functions, the training command)."""
+  readme = (REPO / 'README.md').read_text()
+  section = readme.split('\n## Adapt it', 1)[1].split('\n## ', 1)[0]
+  blocks = [textwrap.dedent(block) for block in
+            re.findall(r'^( *)```\w*\n(.*?)^\1```', section, re.M | re.S) for block in [block[1]]]
+  copy, functions, command = blocks[:3]
+  return copy, functions, command
+
+
+def test_readme_adapt_it_example_learns_in_a_project_with_its_own_utils(tmp_path):
+  copy, functions, command = readme_adapt_steps()
+  project = tmp_path / 'myproject'
+  (project / 'utils').mkdir(parents=True)  # The user's own utils package, which ours must not hide.
+  (project / 'utils' / '__init__.py').write_text('GREETING = "the project\'s own utils"\n')
+  # Step 1, in the repo as the README says, into the project instead of ~/myproject.
+  shell = re.sub(r'^PROJECT=\S+', f'PROJECT={shlex.quote(str(project))}', copy, flags=re.M)
+  assert shell != copy
+  subprocess.run(['bash', '-euc', shell], cwd=REPO, check=True)
+  # Step 2: the two functions of the copied script replaced by the README's, nothing else.
+  script = project / 'train_resnet_mp.py'
+  source = script.read_text()
+  start = source.index('def build_model(')
+  end = source.index('\n# ---', start)
+  script.write_text(source[:start] + functions.rstrip() + '\n\n' + source[end:])
+  # Step 3: the README's command, with a results file to check.
+  argv = shlex.split(command)
+  assert argv[:2] == ['python', 'train_resnet_mp.py'], argv
+  result = subprocess.run([sys.executable, *argv[1:], '--results_json', tmp_path / 'r.json'],
+                          cwd=project, env=script_env(), capture_output=True, text=True,
+                          timeout=600)
+  assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+  # The first lines say what it trains, as the README shows them.
+  assert re.search(r'^Data: 512 training and 100 evaluation samples of 3x24x24, 3 classes\n'
+                   r'Model: smallcnn \(Sequential, [\d.]+M parameters, 3 classes\)\n'
+                   r'Recipe: SGD, lr 0\.1 constant', result.stdout, re.M), result.stdout[:2000]
+  results = read_json(tmp_path / 'r.json')
+  assert results['model'] == 'smallcnn'
+  assert results['final_accuracy'] > 90, result.stdout[-3000:]
+  # Every evaluation image counted once; the padding (shaped from the data, not --img_dim)
+  # is not counted; and nothing was compiled after the first epoch.
+  assert results['eval_samples'] == 100
+  after = results['compilations_after_epoch']
+  assert len(after) == 3 and after[0] == after[1] == after[2], after
+  # The project's own utils package is still its own.
+  check = subprocess.run([sys.executable, '-c', 'import utils; print(utils.GREETING)'],
+                         cwd=project, capture_output=True, text=True, check=True)
+  assert check.stdout.strip() == "the project's own utils"

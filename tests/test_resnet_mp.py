@@ -45,9 +45,22 @@ def test_learns_with_warmup_and_decay_and_counts_exactly(tmp_path, colour_folder
                       '--batch_size', 16, '--test_set_batch_size', 4, '--num_epochs', 3,
                       '--lr', 0.03, '--lr_scheduler_type', 'WarmupAndExponentialDecayScheduler',
                       '--lr_warmup_epochs', 0.25, '--lr_scheduler_divide_every_n_epochs', 2,
-                      '--num_workers', 2, '--persistent_workers', '--log_steps', 5,
+                      '--num_workers', 64, '--persistent_workers', '--log_steps', 5,
                       '--results_json', tmp_path / 'r.json')
   assert result.returncode == 0, result.stderr
+  # Its first lines, before the slow part: what it trains, then that replicas started. 64
+  # loader workers are lowered to the CPUs it may use, before torch would warn.
+  cpus = len(os.sched_getaffinity(0))
+  assert re.match(
+      rf'--num_workers 64 is more than the {cpus} CPUs this process may use: using {cpus}\n'
+      r'Data: 256 training and 21 evaluation samples of 3x32x32, 4 classes\n'
+      r'Model: resnet18 \(ResNet, 11\.18M parameters, 4 classes\)\n'
+      r'Recipe: SGD, lr 0\.03 linear warm-up over 0\.25 epochs, then divided by 5 every 2 epochs, '
+      r'momentum 0\.9, weight decay 0\.0001 \(.*\)\n'
+      r'Starting one replica per local XLA device \.\.\.\n'
+      r'Replicas started: 1; compiling the first step \.\.\.\n'
+      r'Epoch 1 train begin', result.stdout), result.stdout[:2000]
+  assert 'This DataLoader will create' not in result.stderr, result.stderr  # torch's warning
   results = read_json(tmp_path / 'r.json')
   assert (results['eval_correct'], results['eval_samples']) == (20, 21)
   assert re.search(r'^Epoch 3 test end \d\d:\d\d:\d\d, Accuracy=95\.24$', result.stdout, re.M)
@@ -104,7 +117,7 @@ def test_profile_serves_traces_with_named_steps(tmp_path):
 
 BAD_INPUTS = {
     'missing datadir': (['--datadir', 'nowhere'], r'nowhere/train is not a folder'),
-    'unknown model': (['--fake_data', '--model', 'resnet7'], r'not a torchvision classification'),
+    'unknown model': (['--fake_data', '--model', 'resnet7'], r'--model resnet7 is not a torchvision classification model .*build_model'),
     'num_cores other than 1': (['--fake_data', '--num_cores', 8], r'--num_cores=8'),
     'zero batch size': (['--fake_data', '--batch_size', 0], r'--batch_size=0'),
     'unwritable results_json': (['--fake_data', '--results_json', 'README.md/r.json'],

@@ -70,9 +70,9 @@ def test_learns_counts_every_val_image_once_and_compiles_only_in_epoch_1(tmp_pat
   assert result.returncode == 21, result.stdout[-3000:] + result.stderr
   assert 'is below target' in result.stdout
   results = read_json(tmp_path / 'r.json')
-  # What each split holds is said at start, as ImageFolder counts it.
-  assert re.search(r'^\S+/train: 256 images in 4 classes$', result.stdout, re.M), result.stdout
-  assert re.search(r'^\S+/val: 21 images in 4 classes$', result.stdout, re.M)
+  # What the data is, is said at start, as ImageFolder counts it.
+  assert re.search(r'^Data: 256 training and 21 evaluation samples of 3x32x32, 4 classes$',
+                   result.stdout, re.M), result.stdout
   assert results['eval_samples'] == 21, result.stdout[-3000:]
   assert results['eval_correct'] == 20
   assert results['final_accuracy'] == pytest.approx(100 * 20 / 21)
@@ -115,7 +115,7 @@ BAD_INPUTS = {
     'class without images': (lambda tmp: ['--datadir', _empty_class(tmp)],
                              r'class folder \S*train/purple has no images'),
     'unknown model': (lambda tmp: ['--fake_data', '--model', 'resnet7'],
-                      r'--model=resnet7.* not a torchvision classification model'),
+                      r'--model resnet7 is not a torchvision classification model .*build_model'),
     'zero batch size': (lambda tmp: ['--fake_data', '--batch_size', 0],
                         r'--batch_size=0: 0 is not a positive integer'),
     'zero steps': (lambda tmp: ['--fake_data', '--num_steps', 0],

@@ -76,7 +76,8 @@ def test_resumed_epoch_skips_exactly_the_trained_batches_with_the_same_seeds():
 
 
 class Labelled(torch.utils.data.Dataset):
-  """Sample i is (i, label i): evaluation counts samples by their label, padding is -1."""
+  """Sample i is (an image, label i): evaluation counts samples by their label, padding is -1."""
+  IMAGE = torch.zeros(1)
 
   def __init__(self, n):
     self.n = n
@@ -85,14 +86,13 @@ class Labelled(torch.utils.data.Dataset):
     return self.n
 
   def __getitem__(self, i):
-    return i, i
+    return self.IMAGE, i
 
 
 @pytest.mark.parametrize('n', SIZES + [50000])
 def test_every_validation_image_is_evaluated_once_with_equal_steps(n):
   for world_size, batch_size in itertools.product(WORLD_SIZES, [1, 4, 64]):
-    shares = [[label for _, label in utils.eval_share(Labelled(n), rank, world_size, batch_size,
-                                                      blank=-2)]
+    shares = [[label for _, label in utils.eval_share(Labelled(n), rank, world_size, batch_size)]
               for rank in range(world_size)]
     real = [i for share in shares for i in share if i >= 0]
     assert sorted(real) == list(range(n))
@@ -103,11 +103,11 @@ def test_every_validation_image_is_evaluated_once_with_equal_steps(n):
     assert len(shares[0]) < -(-n // world_size) + batch_size
 
 
-def test_padding_samples_are_blank_with_label_minus_one():
-  images = [(torch.full((3, 2, 2), float(i)), i % 3) for i in range(5)]
-  padded = utils.eval_share(images, 1, 2, 4, blank=torch.zeros(3, 2, 2))
+def test_padding_samples_are_blank_with_label_minus_one_and_shaped_like_the_data():
+  images = [(torch.full((1, 3, 2), float(i + 1)), i % 3) for i in range(5)]
+  padded = utils.eval_share(images, 1, 2, 4)
   assert [label for _, label in padded] == [1, 0, -1, -1]
-  assert torch.equal(padded[2][0], torch.zeros(3, 2, 2))
+  assert torch.equal(padded[2][0], torch.zeros(1, 3, 2))
 
 
 def test_warmup_then_step_decay():

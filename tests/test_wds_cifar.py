@@ -439,10 +439,10 @@ def closed_port():
 BAD_INPUTS = {
     'no shard matches': (lambda s: ['--wds_traindir', s / 'nowhere-{000..009}.tar'],
                          r'--wds_traindir: no shard found at \S+nowhere-\{000\.\.009\}\.tar'),
-    'too few shards for the workers': (lambda s: ['--num_workers', 16],
-                                       r'10 training shards cannot feed 1 replicas x 16 loader '
-                                       r'workers'),
-    'not a resnet': (lambda s: ['--model', 'vgg11'], r'--model=vgg11.*not a torchvision ResNet'),
+    'too few shards for the workers': (
+        lambda s: ['--wds_traindir', s / 'shards' / 'cifar-train-000000.tar', '--num_workers', 2],
+        r'1 training shards cannot feed 1 replicas x 2 loader workers'),
+    'not a resnet': (lambda s: ['--model', 'vgg11'], r'--model vgg11 is not a torchvision ResNet'),
     'missing trainsize': (lambda s: ['--trainsize', None], r'--trainsize must have a value other than None'),
     'server refuses connections': (
         lambda s: ['--wds_traindir', f'http://127.0.0.1:{closed_port()}/train-{{000..009}}.tar'],
