@@ -135,7 +135,8 @@ class ForeignSample(BadSample):
 def decode(sample):
   """(image uint8 32x32x3, label) of a sample: the image from its rgb (3,072 raw bytes), ppm,
   png, jpg, jpeg, webp (converted to RGB as PIL does) or npy (uint8 32x32x3) file, the label
-  from its cls file (ASCII digits: how ShardWriter writes an int)."""
+  from its cls file (ASCII digits: how ShardWriter writes an int). Shards of another image
+  format: add its file extension to IMAGE_KEYS and its decoding here."""
   image_key = next((key for key in IMAGE_KEYS if key in sample), None)
   if image_key is None or 'cls' not in sample:
     found = ', '.join(sorted(key for key in sample if not key.startswith('__'))) or 'no file'

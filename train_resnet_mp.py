@@ -323,7 +323,8 @@ def main(argv):
   for name, value in MODEL_DEFAULTS.get(FLAGS.model, DEFAULTS).items():
     if flag_values[name] is None:
       flag_values[name] = value
-  flag_values['num_workers'] = utils.usable_workers(FLAGS.num_workers)
+  if not FLAGS.fake_data:  # Fake batches need no loader workers.
+    flag_values['num_workers'] = utils.usable_workers(FLAGS.num_workers)
   if FLAGS.bf16:
     os.environ['XLA_USE_BF16'] = '1'  # Inherited by the spawned replicas.
   try:

@@ -348,7 +348,8 @@ def main(argv):
   for name, value in MODEL_DEFAULTS.get(cfg.model, DEFAULTS).items():
     if getattr(cfg, name) is None:
       setattr(cfg, name, value)
-  cfg.num_workers = utils.usable_workers(cfg.num_workers)
+  if not cfg.fake_data:  # Fake batches need no loader workers.
+    cfg.num_workers = utils.usable_workers(cfg.num_workers)
   if cfg.bf16:
     os.environ['XLA_USE_BF16'] = '1'  # Read when the runtime starts, which is still ahead.
   # Before any XLA tensor or device exists: the runtime then makes every device one mesh.

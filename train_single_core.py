@@ -293,7 +293,8 @@ def main(argv):
   if FLAGS.bf16:
     os.environ['XLA_USE_BF16'] = '1'  # Read when the runtime starts, which is still ahead.
   cfg = SimpleNamespace(**FLAGS.flag_values_dict())
-  cfg.num_workers = utils.usable_workers(cfg.num_workers)
+  if not cfg.fake_data:  # Fake batches need no loader workers.
+    cfg.num_workers = utils.usable_workers(cfg.num_workers)
   # SIGTERM and Ctrl-C stop after a step; a second Ctrl-C ends the run at once.
   with supervision.run_watched(launcher=False):
     try:
