@@ -38,6 +38,7 @@ flags.DEFINE_enum('format', 'rgb', ['rgb', 'png'], 'Image files: raw bytes (fast
                   'PNG (readable by other tools; lossless, about as big).')
 
 TRAIN_BATCHES = [f'data_batch_{i}' for i in range(1, 6)]
+DEFAULT_LOADER_WORKERS = 4  # train_wds_cifar.py's --num_workers
 
 
 def read_cifar_python(folder):
@@ -133,10 +134,15 @@ def main(argv):
   print(f'Classes: {" ".join(classes)}')
   print(f'Wrote {len(order)} training samples in {len(train)} shards and {len(test_labels)} test '
         f'samples in {len(test)} shards. Train with:')
-  print(f'  --wds_traindir "{shard_format.brace_pattern(FLAGS.output, "train", len(train))}" '
-        f'--trainsize {len(order)} \\\n'
-        f'  --wds_testdir "{shard_format.brace_pattern(FLAGS.output, "test", len(test))}" '
-        f'--testsize {len(test_labels)}')
+  # Each loader worker of each replica reads shards of its own: few shards, fewer workers.
+  workers = f' --num_workers {len(train)}' if len(train) < DEFAULT_LOADER_WORKERS else ''
+  print(f'  python train_wds_cifar.py --wds_traindir '
+        f'"{shard_format.brace_pattern(FLAGS.output, "train", len(train))}" --trainsize '
+        f'{len(order)} --wds_testdir "{shard_format.brace_pattern(FLAGS.output, "test", len(test))}" '
+        f'--testsize {len(test_labels)}{workers}')
+  if len(train) < 8 * DEFAULT_LOADER_WORKERS:
+    print(f'({len(train)} training shards feed at most {len(train)} loader workers over all '
+          'replicas: on more devices or hosts, write smaller shards with --samples_per_shard)')
 
 
 if __name__ == '__main__':

@@ -7,6 +7,7 @@ import io
 import itertools
 import pickle
 import re
+import shlex
 import signal
 import socket
 import tarfile
@@ -119,10 +120,18 @@ def test_writer_reads_an_image_folder(tmp_path):
   make_image_folder(tmp_path / 'png', 'train', 30)
   make_image_folder(tmp_path / 'png', 'test', 5)
   result = run_script('make_cifar_shards.py', '--image_folder', tmp_path / 'png',
-                      '--output', tmp_path / 'out' / 'c', '--samples_per_shard', 100)
+                      '--output', tmp_path / 'out' / 'c', '--samples_per_shard', 200)
   assert result.returncode == 0, result.stderr
   assert 'Classes: blue green red yellow' in result.stdout
-  assert "--wds_traindir \"%s\"" % (tmp_path / 'out' / 'c-train-{000000..000001}.tar') in result.stdout
+  # The command it prints works as printed for the one training shard it wrote (the
+  # default loader workers, 4 or the CPUs if fewer, would each need a shard of their own).
+  command = re.search(r'^  (python train_wds_cifar\.py .*)$', result.stdout, re.M).group(1)
+  argv = shlex.split(command)
+  assert argv[argv.index('--wds_traindir') + 1] == str(tmp_path / 'out' / 'c-train-{000000..000000}.tar')
+  trained = run_script(*argv[1:], '--num_epochs', 1, '--num_steps', 2, '--batch_size', 8,
+                       '--test_set_batch_size', 10, '--log_steps', 1, timeout=300)
+  assert trained.returncode == 0, trained.stdout[-2000:] + trained.stderr[-2000:]
+  assert re.search(r'^Epoch 1 test end .*, Accuracy=[\d.]+$', trained.stdout, re.M)
   train = list(shard_format.read_samples(sorted(map(str, (tmp_path / 'out').glob('c-train-*'))), never))
   test = list(shard_format.read_samples([str(tmp_path / 'out' / 'c-test-000000.tar')], never))
   assert len(train) == 120 and len(test) == 20
