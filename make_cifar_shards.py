@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: BSD-3-Clause
 """Writes CIFAR-10 as WebDataset tar shards for train_wds_cifar.py.
 
 Reads the folder that the official python release unpacks to (cifar-10-batches-py:

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: BSD-3-Clause
 """What a user who copies one training script reads: the script and the repo's modules it
 imports (followed through their own imports), without supervision.py, which a copier
 running under torchrun or a launcher of their own may leave out (see its docstring), and

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: BSD-3-Clause
 """Host input pipeline for 32x32 images: samples/s of train_wds_cifar.py's shard pipeline,
 over shards of each image format it reads, against torchvision ImageFolder over the same
 images as loose PNG files.

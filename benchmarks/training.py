@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: BSD-3-Clause
 """Training loop benchmarks: what transfers from XLA:CPU to a TPU, taken side by side.
 
 Runs each training script as a user would (a fresh process, --results_json) and prints
@@ -153,9 +154,8 @@ def checkpoint_costs(tmp, name):
   return save, load, os.path.getsize(path) / 1e6
 
 
-def measure(tmp, quick):
-  """(rows of the training table, first-step seconds of each script, resumed first-step
-  seconds and where it resumed, checkpoint costs, eager rate)."""
+def runs_to_measure(tmp, quick):
+  """(script, data, flags) of each row of the training table, and the WebDataset run's flags."""
   epochs, steps = (2, 3) if quick else (3, 40)
   model, img_dim, batch = FLAGS.bench_model, FLAGS.bench_img_dim, FLAGS.bench_batch_size
   common = ['--model', model, '--img_dim', img_dim, '--batch_size', batch, '--test_set_batch_size',
@@ -184,52 +184,77 @@ def measure(tmp, quick):
   ]
   if quick:  # A row of each loop: the folder runs take the same path as the fake ones.
     runs = [r for r in runs if r[1] not in ('image folder', 'fake, 1 device')][1:]
-  rows, first_step = [], {}
-  for script, data, args in runs:
-    devices = int(data.split()[-2]) if data.endswith(('device', 'devices')) else None
-    results, first_step[script] = run(script, *args, devices=devices)
-    compiled = results['compilations_after_epoch']
-    # Steady state: the epochs after the first (which compiles), averaged.
-    rate, busy = (np.mean(results[k][1:]) for k in ('epoch_rates', 'epoch_device_busy'))
-    rows.append((script, data, rate, 1 - busy, results['compilations'], compiled[-1] - compiled[0]))
-  # A resumed shard stream reads the samples of the batches it skips, the costliest skip:
-  # resume from the mid-epoch checkpoint of the last epoch (the last run's).
+  return runs, wds_args
+
+
+def measure_row(script, data, args):
+  """(the training table's row of one run, its seconds from start to the first step)."""
+  devices = int(data.split()[-2]) if data.endswith(('device', 'devices')) else None
+  results, first_step = run(script, *args, devices=devices)
+  compiled = results['compilations_after_epoch']
+  # Steady state: the epochs after the first (which compiles), averaged.
+  rate, busy = (np.mean(results[k][1:]) for k in ('epoch_rates', 'epoch_device_busy'))
+  row = (script, data, rate, 1 - busy, results['compilations'], compiled[-1] - compiled[0])
+  return row, first_step
+
+
+def resumed_first_step(tmp, wds_args, epochs, steps):
+  """(seconds to the first new step, where) of the WebDataset run resumed mid-epoch: a
+  resumed shard stream reads the samples of the batches it skips, the costliest skip.
+  It resumes from the mid-epoch checkpoint of the last epoch (the last run's)."""
   os.remove(tmp / 'ckpt' / f'ckpt-{epochs * steps:08d}.pt')
   resumed, out = first_step_seconds('train_wds_cifar.py', [*wds_args, '--log_steps', 1])
   resumed_at = re.search(r'Resumed from \S+ at epoch (\d+) step (\d+)', out)
-  where = f'epoch {resumed_at.group(1)} step {resumed_at.group(2)}' if resumed_at else '?'
-  with contextlib.redirect_stdout(io.StringIO()):  # Its 'Saved checkpoint' line.
-    costs = checkpoint_costs(tmp, 'resnet18' if quick else 'resnet50')
-  # After the XLA runtime is up: autograd sizes its device queues at the first backward.
-  eager = eager_rate(model, img_dim, batch, 3 if quick else 20)
-  return rows, first_step, (resumed, where), costs, eager
+  return resumed, f'epoch {resumed_at.group(1)} step {resumed_at.group(2)}' if resumed_at else '?'
+
+
+def say(what):
+  """A progress line, on stderr: stdout holds the tables alone."""
+  print(f'[{time.strftime("%H:%M:%S")}] {what} ...', file=sys.stderr, flush=True)
 
 
 def main(argv):
   del argv
-  with tempfile.TemporaryDirectory() as tmp:
-    rows, first_step, (resumed, where), (save, load, size), eager = measure(
-        pathlib.Path(tmp), FLAGS.quick)
   epochs, steps = (2, 3) if FLAGS.quick else (3, 40)
+  checkpointed = 'resnet18' if FLAGS.quick else 'resnet50'
   print(f'Training on XLA:CPU, {platform.processor() or platform.machine()}, '
         f'{os.cpu_count()} cores; {FLAGS.bench_model} at {FLAGS.bench_img_dim} px, batch '
         f'{FLAGS.bench_batch_size}, {epochs} epochs of {steps} steps, a line logged every 10; '
         'rate and overhead: mean of the epochs after the first')
   print()
+  # Each row as soon as it is measured: a whole run takes minutes.
   print('| script | data | samples/s | host overhead | graphs compiled | compiled after epoch 1 |')
-  print('| --- | --- | --- | --- | --- | --- |')
-  for script, data, rate, overhead, compiled, later in rows:
-    print(f'| {script} | {data} | {rate:,.1f} | {overhead:.1%} | {compiled} | {later} |')
-  print(f'| eager PyTorch, CPU | fake | {eager:,.1f} | | | |')
-  print()
-  print('| checkpoint | value |')
-  print('| --- | --- |')
-  print(f'| {"resnet18" if FLAGS.quick else "resnet50"} + momentum, size | {size:,.0f} MB |')
-  print(f'| save (device to host, serialise, write, rename) | {save:.2f} s |')
-  print(f'| load (read, check, copy to the device) | {load:.2f} s |')
-  print(f'| train_wds_cifar.py, fresh run: start to first step | {first_step["train_wds_cifar.py"]:.1f} s |')
-  print(f'| train_wds_cifar.py, resumed at {where}: start to first new step | {resumed:.1f} s |')
-  print()
+  print('| --- | --- | --- | --- | --- | --- |', flush=True)
+  with tempfile.TemporaryDirectory() as tmp:
+    tmp = pathlib.Path(tmp)
+    say('writing an image folder and shards')
+    runs, wds_args = runs_to_measure(tmp, FLAGS.quick)
+    first_step = {}
+    for script, data, args in runs:
+      say(f'running {script} on {data}')
+      row, first_step[script] = measure_row(script, data, args)
+      print('| {} | {} | {:,.1f} | {:.1%} | {} | {} |'.format(*row), flush=True)
+    say('resuming train_wds_cifar.py mid-epoch')
+    resumed, where = resumed_first_step(tmp, wds_args, epochs, steps)
+    say('saving and loading a checkpoint')  # After the resume: it writes to the same folder.
+    with contextlib.redirect_stdout(io.StringIO()):  # Its 'Saved checkpoint' line.
+      save, load, size = checkpoint_costs(tmp, checkpointed)
+    say('running the eager PyTorch step')
+    # After the XLA runtime is up: autograd sizes its device queues at the first backward.
+    eager = eager_rate(FLAGS.bench_model, FLAGS.bench_img_dim, FLAGS.bench_batch_size,
+                       3 if FLAGS.quick else 20)
+    print(f'| eager PyTorch, CPU | fake | {eager:,.1f} | | | |')
+    print()
+    print('| checkpoint | value |')
+    print('| --- | --- |')
+    print(f'| {checkpointed} + momentum, size | {size:,.0f} MB |')
+    print(f'| save (device to host, serialise, write, rename) | {save:.2f} s |')
+    print(f'| load (read, check, copy to the device) | {load:.2f} s |')
+    print(f'| train_wds_cifar.py, fresh run: start to first step | '
+          f'{first_step["train_wds_cifar.py"]:.1f} s |')
+    print(f'| train_wds_cifar.py, resumed at {where}: start to first new step | {resumed:.1f} s |')
+  print(flush=True)
+  say('running benchmarks/input_pipeline.py')
   # The input pipeline has its own script (it imports train_wds_cifar, whose flags would
   # clash with these).
   pipeline = subprocess.run([sys.executable, str(REPO / 'benchmarks' / 'input_pipeline.py'),

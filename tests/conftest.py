@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: BSD-3-Clause
 """Helpers for the end-to-end tests: run a script as a user would, make image folders."""
 
 import json

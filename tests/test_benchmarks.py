@@ -1,18 +1,30 @@
+# SPDX-License-Identifier: BSD-3-Clause
 """The benchmarks keep working (their numbers are read by people, not asserted)."""
 
 import re
+import subprocess
+import sys
 
-from conftest import run_script
+from conftest import REPO, script_env
 
 
-def test_benchmark_prints_its_tables():
-  result = run_script('benchmarks/training.py', '--quick', timeout=900)
-  assert result.returncode == 0, result.stderr[-3000:]
+def test_benchmark_prints_its_tables_row_by_row():
+  # Its progress lines (stderr) and table rows (stdout) in the order they were written.
+  result = subprocess.run([sys.executable, 'benchmarks/training.py', '--quick'], cwd=REPO,
+                          env=script_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, timeout=900)
   out = result.stdout
+  assert result.returncode == 0, out[-3000:]
   scripts = re.findall(r'^\| (\S+) \| [^|]+ \| [\d,.]+ \| [\d.]+% \| \d+ \| (\d+) \|$', out, re.M)
   # --quick leaves out the rows whose loop another row runs (single core: the mp script's).
   assert [s for s, _ in scripts] == ['train_resnet_mp.py', 'train_resnet_spmd.py',
                                      'train_wds_cifar.py']
+  # Each row is printed when its run ends, before the next run starts: a reader sees the
+  # table grow instead of minutes of silence.
+  order = re.findall(r'^(?:\[[\d:]+\] running (\S+) on|\| (train_\S+) \|)', out, re.M)
+  assert order == [('train_resnet_mp.py', ''), ('', 'train_resnet_mp.py'),
+                   ('train_resnet_spmd.py', ''), ('', 'train_resnet_spmd.py'),
+                   ('train_wds_cifar.py', ''), ('', 'train_wds_cifar.py')], out
   assert re.search(r'^\| eager PyTorch, CPU \| fake \| [\d,.]+ \| \| \| \|$', out, re.M)
   assert re.search(r'^\| resnet18 \+ momentum, size \| [\d,]+ MB \|$', out, re.M)  # 50 if not quick
   assert re.search(r'resumed at epoch 2 step 1: start to first new step \| [\d.]+ s \|$', out, re.M)

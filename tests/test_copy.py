@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: BSD-3-Clause
 """A script copied into another project, as the README says: with the shared modules it
 imports beside it, or without supervision.py under torchrun (the lines the README names
 taken out)."""

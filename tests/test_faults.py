@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: BSD-3-Clause
 """Stops and failures as a TPU user meets them, end to end on XLA:CPU: Ctrl-C (SIGINT to the
 process group, as a terminal sends it), a second Ctrl-C, SIGTERM while replicas start, a
 replica that fails, a disk that fills up. Each run is started in a session of its own, and

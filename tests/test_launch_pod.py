@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: BSD-3-Clause
 """launch_pod.py over real ssh: an sshd of the test's own on 127.0.0.1 (a free port, a
 temporary host key and user key) serves two "workers", both this machine. Every process a
 run starts carries a marker (--env TEST_MARK=..., which the command's children inherit), so

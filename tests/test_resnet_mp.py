@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: BSD-3-Clause
 """train_resnet_mp.py end to end on XLA:CPU: the spawn runs for real, with one replica."""
 
 import os

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: BSD-3-Clause
 """train_resnet_spmd.py on four XLA:CPU devices (CPU_NUM_DEVICES=4): real SPMD data-parallel
 training, with the collectives XLA inserts, in one process."""
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: BSD-3-Clause
 """Checkpoints, exact resume and SIGTERM in train_single_core.py, end to end on XLA:CPU.
 
 A run is interrupted at a random step (SIGKILL), stopped by SIGTERM, killed in the middle

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: BSD-3-Clause
 """train_single_core.py end to end on XLA:CPU, as a user runs it."""
 
 import re

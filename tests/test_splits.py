@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: BSD-3-Clause
 """How work is split across replicas, for world sizes a CPU cannot run (up to a 64-chip pod).
 
 XLA:CPU runs collectives on one device only, so the code that depends on (rank,

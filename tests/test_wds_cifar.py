@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: BSD-3-Clause
 """make_cifar_shards.py and train_wds_cifar.py: shards from the CIFAR-10 python layout,
 streamed from local disk and over http, split across replicas and loader workers."""
 
