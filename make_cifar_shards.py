@@ -141,9 +141,9 @@ def main(argv):
         f'"{shard_format.brace_pattern(FLAGS.output, "train", len(train))}" --trainsize '
         f'{len(order)} --wds_testdir "{shard_format.brace_pattern(FLAGS.output, "test", len(test))}" '
         f'--testsize {len(test_labels)}{workers}')
-  if len(train) < 8 * DEFAULT_LOADER_WORKERS:
-    print(f'({len(train)} training shards feed at most {len(train)} loader workers over all '
-          'replicas: on more devices or hosts, write smaller shards with --samples_per_shard)')
+  if len(train) < 8 * DEFAULT_LOADER_WORKERS:  # Too few for 8 devices' default workers.
+    print(f'(On several devices or hosts, replicas x --num_workers must be at most the number of '
+          f'training shards, {len(train)}: for more, write smaller shards with --samples_per_shard)')
 
 
 if __name__ == '__main__':

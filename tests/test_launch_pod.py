@@ -18,7 +18,8 @@ import uuid
 
 import pytest
 
-from conftest import REPO, assert_nothing_left, run_processes, wait_for
+from conftest import (REPO, assert_nothing_left, assert_same_training, run_processes, run_script,
+                      seeded_random, wait_for)
 
 import launch_pod
 
@@ -244,6 +245,129 @@ def test_an_unreachable_worker_ends_the_run_with_code_255(sshd, mark):
   assert_nothing_left(mark=mark, seconds=10)
 
 
+def job_of(mark, worker):
+  """The pid of the command the watcher started on a worker (the leader of its session)."""
+  for pid in run_processes(mark=mark):
+    try:
+      with open(f'/proc/{pid}/environ', 'rb') as f:
+        environ = f.read().split(b'\0')
+      if f'LAUNCH_POD_WORKER={worker}'.encode() in environ and os.getsid(pid) == pid:
+        return pid
+    except OSError:
+      continue
+  raise AssertionError(f'no command of worker {worker} runs')
+
+
+def parent_of(pid):
+  with open(f'/proc/{pid}/stat') as f:
+    return int(f.read().rsplit(')', 1)[1].split()[1])
+
+
+def test_restarts_survive_a_preemption_and_a_lost_worker_and_end_as_an_uninterrupted_run(
+    sshd, tmp_path, mark):
+  rng = seeded_random()
+  preempted_at, lost_at = rng.randint(1, 4), rng.randint(1, 5)
+  train = ['train_resnet_mp.py', '--fake_data', '--model', 'resnet18', '--img_dim', '16',
+           '--batch_size', '4', '--test_set_batch_size', '4', '--num_epochs', '2', '--num_steps',
+           '7', '--log_steps', '1', '--num_workers', '0', '--seed', str(rng.randint(0, 99))]
+  reference = run_script(*train, '--ckpt_dir', tmp_path / 'reference', timeout=300)
+  assert reference.returncode == 0, reference.stderr[-3000:]
+  # Both workers are this machine: a folder each, by the {worker} placeholder.
+  process = start(sshd, '--restarts=3', '--restart_wait=120', f'--tpu_devices={tmp_path}/accel*',
+                  f'--tpu_lockfile={tmp_path}/lockfile', '--env=PJRT_DEVICE=CPU', '--',
+                  sys.executable, *train, '--ckpt_dir', f'{tmp_path}/ck/w{{worker}}', mark=mark)
+  # A maintenance event on worker 0: SIGTERM to its command's processes.
+  out = wait_for(process, rf'^\[worker 0\] \| Training .* Epoch=1 Step={preempted_at} ')
+  os.killpg(job_of(mark, 0), signal.SIGTERM)
+  out += wait_for(process, r'^launch_pod: restart 1 of 3 \(worker 0 \(\S+\) exited 75: stopped '
+                           r'and saved\)$')
+  # Worker 1's host drops off: its ssh session ends on the server's side (ssh exits 255),
+  # and its watcher, cut off, stops its command (which saves) on its own.
+  out += wait_for(process, rf'^\[worker 1\] \| Training .* Epoch=2 Step={lost_at} ')
+  os.kill(parent_of(parent_of(job_of(mark, 1))), signal.SIGKILL)
+  out += wait_for(process, r'^launch_pod: restart 2 of 3 \(worker 1 \(\S+\) exited 255: lost\)$')
+  rest, _ = process.communicate(timeout=300)
+  out += rest
+  assert process.returncode == 0, out
+  assert out.count('Resumed from') == 4 and 'restart 3 of 3' not in out, out
+  assert re.search(r'^launch_pod: done on 2 workers$', out, re.M), out
+  for worker in (0, 1):
+    assert_same_training(tmp_path / 'ck' / f'w{worker}', tmp_path / 'reference')
+  assert_nothing_left(mark=mark, seconds=10)
+
+
+@pytest.mark.parametrize('case, args, code, starts', [
+    # Preempted at every start: the first and one restart, then its code.
+    ('preempted', ['--restarts=1'], 75, 2),
+    # A mistake is not retried, nor a stop the user asked for.
+    ('exit 2', ['--restarts=3'], 2, 1),
+    ('ctrl-c', ['--restarts=3'], 75, 1)])
+def test_only_a_stop_of_its_own_or_a_lost_worker_is_restarted(sshd, tmp_path, mark, case, args,
+                                                               code, starts):
+  # Each worker notes that it started (and saves on SIGTERM from then on); the one that ends
+  # does so once the other has started.
+  program = {'preempted': 'if worker == "0":\n  wait_for("1"); sys.exit(75)\n',
+             'exit 2': 'if worker == "1":\n  wait_for("0"); sys.exit(2)\n',
+             'ctrl-c': ''}[case]
+  process = start(sshd, '--grace_seconds=60', *args, '--', *python(
+      'import os, signal, sys, time\n'
+      'signal.signal(signal.SIGTERM, lambda *_: sys.exit(75))\n'
+      'worker, run = os.environ["LAUNCH_POD_WORKER"], os.environ["LAUNCH_POD_RUN"]\n'
+      f'note = lambda who: f"{tmp_path}/{{run}}-{{who}}"\n'
+      'open(note(worker), "w").close()\n'
+      'print("started", run, flush=True)\n'
+      'def wait_for(other):\n'
+      '  while not os.path.exists(note(other)): time.sleep(0.05)\n'
+      + program + 'time.sleep(600)\n'), mark=mark)
+  out = ''
+  if case == 'ctrl-c':
+    out = wait_for(process, r'^\[worker \d\] started', count=2)
+    os.killpg(process.pid, signal.SIGINT)
+  out += process.communicate(timeout=120)[0]
+  assert process.returncode == code, out
+  runs = set(re.findall(r'^\[worker \d\] started (\S+)$', out, re.M))
+  assert len(runs) == starts, out
+  assert out.count('launch_pod: restart ') == starts - 1, out
+  assert_nothing_left(mark=mark, seconds=10)
+
+
+def test_workers_know_their_index_and_progress_lines_show_at_once_with_times(sshd, tmp_path,
+                                                                              mark):
+  process = start(sshd, '--timestamps', '--', *python(
+      'import os, sys, time\n'
+      'print(os.environ["LAUNCH_POD_WORKER"], os.environ["LAUNCH_POD_NUM_WORKERS"], sys.argv[1:])\n'
+      'sys.stdout.write("10%\\r"); sys.stdout.flush()\n'
+      f'while not os.path.exists("{tmp_path}/go"): time.sleep(0.05)\n'
+      'print("done")'), 'ck/w{worker}', '--seed={worker}{worker}', mark=mark)
+  # A progress update ended by \r is a line as soon as it is written.
+  out = wait_for(process, r'^\[worker \d\] \d\d:\d\d:\d\d 10%$', count=2)
+  (tmp_path / 'go').touch()
+  rest, _ = process.communicate(timeout=60)
+  assert process.returncode == 0, out + rest
+  for worker in (0, 1):
+    assert re.search(rf"^\[worker {worker}\] \d\d:\d\d:\d\d {worker} 2 \['ck/w{worker}', "
+                     rf"'--seed={worker}{worker}'\]$", out, re.M), out
+    assert re.search(rf'^\[worker {worker}\] \d\d:\d\d:\d\d done$', rest, re.M), rest
+
+
+def test_an_unknown_host_key_says_what_to_do_and_is_not_retried(sshd, tmp_path, mark):
+  identity = next(f for f in sshd['flags'] if 'IdentityFile' in f)
+  hosts = sshd['flags'][-1]
+  base = [sys.executable, REPO / 'launch_pod.py', identity, hosts,
+          f'--ssh_option=UserKnownHostsFile={tmp_path}/known_hosts', '--ssh_option=LogLevel=ERROR']
+  done = subprocess.run([*base, '--ssh_option=StrictHostKeyChecking=yes', '--restarts=2', '--',
+                         'true'], capture_output=True, text=True, timeout=120)
+  assert done.returncode == 255, done
+  assert re.search(r'^launch_pod: ssh does not know the host key of worker \d \(\S+\): pass '
+                   r'--ssh_option StrictHostKeyChecking=accept-new, or connect to it once by '
+                   r'hand$', done.stderr, re.M), done.stderr
+  assert 'restart' not in done.stderr, done.stderr
+  # What the line says to do works.
+  done = subprocess.run([*base, '--ssh_option=StrictHostKeyChecking=accept-new', '--', 'true'],
+                        capture_output=True, text=True, timeout=120)
+  assert done.returncode == 0, done
+
+
 def test_kill_stale_ends_what_holds_the_tpu_first(sshd, tmp_path, mark):
   device = tmp_path / 'accel0'
   device.touch()
@@ -261,6 +385,31 @@ def test_kill_stale_ends_what_holds_the_tpu_first(sshd, tmp_path, mark):
   holder.wait(timeout=10)
   assert ended == [-signal.SIGTERM]
   assert '[worker 0] training' in out and '[worker 1] training' in out, out
+
+
+def test_kill_stale_removes_the_tpu_lockfile_unless_a_process_holds_it(sshd, tmp_path, mark):
+  lockfile = tmp_path / 'libtpu_lockfile'
+  lockfile.touch()
+  holder = subprocess.Popen(python(f'f = open("{lockfile}"); print("held", flush=True); '
+                                   'import time; time.sleep(600)'),
+                            stdout=subprocess.PIPE, text=True, start_new_session=True)
+  assert holder.stdout.readline() == 'held\n'
+  flags = ['--kill_stale', f'--tpu_devices={tmp_path}/accel*', f'--tpu_lockfile={lockfile}', '--',
+           *python('print("training")')]
+  try:
+    code, out = launch(sshd, *flags, mark=mark)
+    assert code == 0, out
+    assert re.search(rf'^\[worker \d\] kill_stale: kept {lockfile}: process {holder.pid} \(\S+ -c '
+                     r'f = open.*\) holds it$', out, re.M), out
+    assert lockfile.exists()
+  finally:
+    holder.kill()
+    holder.wait()
+  code, out = launch(sshd, *flags, mark=mark)  # Its holder gone, it is stale.
+  assert code == 0, out
+  assert re.search(rf'^\[worker \d\] kill_stale: removed {lockfile}, which no process held$', out,
+                   re.M), out
+  assert not lockfile.exists()
 
 
 def test_a_missing_workdir_names_the_worker_and_the_folder(sshd, tmp_path, mark):

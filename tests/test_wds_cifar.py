@@ -129,10 +129,10 @@ def test_writer_reads_an_image_folder(tmp_path):
   command = re.search(r'^  (python train_wds_cifar\.py .*)$', result.stdout, re.M).group(1)
   argv = shlex.split(command)
   assert argv[argv.index('--wds_traindir') + 1] == str(tmp_path / 'out' / 'c-train-{000000..000000}.tar')
-  trained = run_script(*argv[1:], '--num_epochs', 1, '--num_steps', 2, '--batch_size', 8,
-                       '--test_set_batch_size', 10, '--log_steps', 1, timeout=300)
-  assert trained.returncode == 0, trained.stdout[-2000:] + trained.stderr[-2000:]
-  assert re.search(r'^Epoch 1 test end .*, Accuracy=[\d.]+$', trained.stdout, re.M)
+  code, out = finish(start_script(*argv[1:], '--num_epochs', 1, '--num_steps', 2, '--batch_size',
+                                  8, '--test_set_batch_size', 10, '--log_steps', 1), timeout=300)
+  assert code == 0, out[-3000:]
+  assert re.search(r'^Epoch 1 test end .*, Accuracy=[\d.]+$', out, re.M)
   train = list(shard_format.read_samples(sorted(map(str, (tmp_path / 'out').glob('c-train-*'))), never))
   test = list(shard_format.read_samples([str(tmp_path / 'out' / 'c-test-000000.tar')], never))
   assert len(train) == 120 and len(test) == 20
