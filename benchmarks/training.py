@@ -18,7 +18,6 @@ markdown tables:
 """
 
 import contextlib
-import io
 import json
 import os
 import pathlib
@@ -208,6 +207,22 @@ def resumed_first_step(tmp, wds_args, epochs, steps):
   return resumed, f'epoch {resumed_at.group(1)} step {resumed_at.group(2)}' if resumed_at else '?'
 
 
+@contextlib.contextmanager
+def stdout_discarded():
+  """Discards stdout at its file descriptor: xm.master_print (checkpoints.resume's line) writes
+  to the sys.stdout of its import, past contextlib.redirect_stdout, into the table."""
+  sys.stdout.flush()
+  kept = os.dup(1)
+  with open(os.devnull, 'w') as devnull:
+    os.dup2(devnull.fileno(), 1)
+  try:
+    yield
+  finally:
+    sys.stdout.flush()
+    os.dup2(kept, 1)
+    os.close(kept)
+
+
 def say(what):
   """A progress line, on stderr: stdout holds the tables alone."""
   print(f'[{time.strftime("%H:%M:%S")}] {what} ...', file=sys.stderr, flush=True)
@@ -237,7 +252,7 @@ def main(argv):
     say('resuming train_wds_cifar.py mid-epoch')
     resumed, where = resumed_first_step(tmp, wds_args, epochs, steps)
     say('saving and loading a checkpoint')  # After the resume: it writes to the same folder.
-    with contextlib.redirect_stdout(io.StringIO()):  # Its 'Saved checkpoint' line.
+    with stdout_discarded():  # Its 'Saved checkpoint' and 'Resumed from' lines.
       save, load, size = checkpoint_costs(tmp, checkpointed)
     say('running the eager PyTorch step')
     # After the XLA runtime is up: autograd sizes its device queues at the first backward.

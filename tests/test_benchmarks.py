@@ -25,6 +25,8 @@ def test_benchmark_prints_its_tables_row_by_row():
   assert order == [('train_resnet_mp.py', ''), ('', 'train_resnet_mp.py'),
                    ('train_resnet_spmd.py', ''), ('', 'train_resnet_spmd.py'),
                    ('train_wds_cifar.py', ''), ('', 'train_wds_cifar.py')], out
+  # What the checkpoint measurement prints itself stays out of the tables.
+  assert 'Resumed from' not in out and 'Saved checkpoint' not in out, out
   assert re.search(r'^\| eager PyTorch, CPU \| fake \| [\d,.]+ \| \| \| \|$', out, re.M)
   assert re.search(r'^\| resnet18 \+ momentum, size \| [\d,]+ MB \|$', out, re.M)  # 50 if not quick
   assert re.search(r'resumed at epoch 2 step 1: start to first new step \| [\d.]+ s \|$', out, re.M)

@@ -350,6 +350,36 @@ def test_workers_know_their_index_and_progress_lines_show_at_once_with_times(ssh
     assert re.search(rf'^\[worker {worker}\] \d\d:\d\d:\d\d done$', rest, re.M), rest
 
 
+@pytest.mark.parametrize('ending', ['ctrl-c', 'gives up'])
+def test_a_restart_waits_for_a_lost_worker_until_ctrl_c_or_restart_wait(sshd, mark, ending):
+  with socket.socket() as closed:  # Worker 1 is unreachable: lost, and it does not come back.
+    closed.bind(('127.0.0.1', 0))
+    hosts = f'--hosts=ssh://127.0.0.1:{sshd["port"]},ssh://127.0.0.1:{closed.getsockname()[1]}'
+    wait = '--restart_wait=600' if ending == 'ctrl-c' else '--restart_wait=1'
+    process = start(sshd, '--restarts=2', wait, '--', *python('import time; time.sleep(600)'),
+                    mark=mark, hosts=hosts)
+    out = wait_for(process, r'^launch_pod: restart 1 of 2 \(worker 1 \(\S+\) exited 255: lost\)$')
+    if ending == 'ctrl-c':
+      out += wait_for(process, r'^launch_pod: waiting until every worker answers')
+      os.killpg(process.pid, signal.SIGINT)
+    out += process.communicate(timeout=120)[0]
+  expected = {'ctrl-c': (130, r'^launch_pod: SIGINT while waiting to restart: nothing started '
+                              r'\(exit code 130\)$'),
+              'gives up': (255, r'^launch_pod: gave up restarting after 1 s: worker 1 \(\S+\): ')}
+  code, line = expected[ending]
+  assert process.returncode == code, out
+  assert re.search(line, out, re.M), out
+  assert 'restart 2 of 2' not in out, out
+  assert_nothing_left(mark=mark, seconds=10)
+
+
+def test_helpshort_lists_the_log_dir():
+  done = subprocess.run([sys.executable, REPO / 'launch_pod.py', '--helpshort'],
+                        capture_output=True, text=True, timeout=60)
+  assert re.search(r'^  --log_dir: Also append each worker.s lines to DIR/worker-N\.log\.$',
+                   done.stdout, re.M), done.stdout
+
+
 def test_an_unknown_host_key_says_what_to_do_and_is_not_retried(sshd, tmp_path, mark):
   identity = next(f for f in sshd['flags'] if 'IdentityFile' in f)
   hosts = sshd['flags'][-1]
