@@ -17,6 +17,7 @@ WebDataset reader decodes (`.decode('pil')`) and any image viewer shows.
 import os
 import pickle
 import random
+import sys
 
 import fsspec
 import numpy as np
@@ -37,6 +38,9 @@ flags.DEFINE_integer('repeat', 1, 'Write the training set this many times, each 
 flags.DEFINE_integer('shuffle_seed', 0, 'Seed of the training-set shuffle.')
 flags.DEFINE_enum('format', 'rgb', ['rgb', 'png'], 'Image files: raw bytes (fastest to read) or '
                   'PNG (readable by other tools; lossless, about as big).')
+flags.DEFINE_string('results_json', None, "Write train_wds_cifar.py's data flags here (JSON).")
+# A notebook may import several scripts (the same flag names) or %run one again.
+utils.redefinable(FLAGS)
 
 TRAIN_BATCHES = [f'data_batch_{i}' for i in range(1, 6)]
 DEFAULT_LOADER_WORKERS = 4  # train_wds_cifar.py's --num_workers
@@ -106,6 +110,7 @@ def main(argv):
     utils.die(f'give --output PREFIX, a path or URL the shard names start with, such as '
               f'{FLAGS.output or ""}cifar (not a folder): PREFIX-train-000000.tar, ...')
   try:
+    utils.check_outputs(None, None, FLAGS.results_json)
     if FLAGS.cifar_dir:
       train_images, train_labels, test_images, test_labels, classes = read_cifar_python(
           FLAGS.cifar_dir)
@@ -135,16 +140,38 @@ def main(argv):
   print(f'Classes: {" ".join(classes)}')
   print(f'Wrote {len(order)} training samples in {len(train)} shards and {len(test_labels)} test '
         f'samples in {len(test)} shards. Train with:')
-  # Each loader worker of each replica reads shards of its own: few shards, fewer workers.
-  workers = f' --num_workers {len(train)}' if len(train) < DEFAULT_LOADER_WORKERS else ''
-  print(f'  python train_wds_cifar.py --wds_traindir '
-        f'"{shard_format.brace_pattern(FLAGS.output, "train", len(train))}" --trainsize '
-        f'{len(order)} --wds_testdir "{shard_format.brace_pattern(FLAGS.output, "test", len(test))}" '
-        f'--testsize {len(test_labels)}{workers}')
-  if len(train) < 8 * DEFAULT_LOADER_WORKERS:  # Too few for 8 devices' default workers.
+  data_flags = training_flags(len(train), len(order), len(test), len(test_labels))
+  try:
+    utils.write_results(FLAGS.results_json, dict(data_flags, classes=classes))
+  except utils.UsageError as e:
+    utils.die(e)
+
+
+def training_flags(train_shards, train_samples, test_shards, test_samples):
+  """Prints the train_wds_cifar.py command that trains on these shards; returns its flags."""
+  data_flags = dict(wds_traindir=shard_format.brace_pattern(FLAGS.output, 'train', train_shards),
+                    trainsize=train_samples,
+                    wds_testdir=shard_format.brace_pattern(FLAGS.output, 'test', test_shards),
+                    testsize=test_samples)
+  print('  python train_wds_cifar.py ' + ' '.join(
+      f'--{name} "{value}"' if isinstance(value, str) else f'--{name} {value}'
+      for name, value in data_flags.items()) +
+      # Each loader worker of each replica reads shards of its own: few shards, fewer workers.
+      (f' --num_workers {train_shards}' if train_shards < DEFAULT_LOADER_WORKERS else ''))
+  if train_shards < 8 * DEFAULT_LOADER_WORKERS:  # Too few for 8 devices' default workers.
     print(f'(On several devices or hosts, replicas x --num_workers must be at most the number of '
-          f'training shards, {len(train)}: for more, write smaller shards with --samples_per_shard)')
+          f'training shards, {train_shards}: for more, write smaller shards with --samples_per_shard)')
+  return dict(data_flags, num_workers=min(train_shards, DEFAULT_LOADER_WORKERS))
+
+def run(argv):
+  """This script from Python or a notebook cell: run(['--flag', value, ...]) returns the
+  results (see --results_json) or raises what the exit code means (see command.py)."""
+  import command  # Only run() and %run need command.py.
+  return command.run(__file__, argv)
 
 
 if __name__ == '__main__':
-  app.run(main, flags_parser=utils.parse_flags)
+  if utils.in_notebook():  # %run in a notebook: a command of its own, as run() starts it.
+    run(sys.argv[1:])
+  else:
+    app.run(main, flags_parser=utils.parse_flags)

@@ -74,6 +74,8 @@ flags.DEFINE_string('ckpt_dir', None, 'Save checkpoints here, resume from the ne
 flags.DEFINE_integer('ckpt_every_steps', None, 'Also save every N steps.', lower_bound=1)
 flags.DEFINE_integer('keep_checkpoints', 2, 'Checkpoints kept, besides best.pt.', lower_bound=1)
 flags.DEFINE_string('resume', None, 'Resume from this checkpoint instead of the newest in --ckpt_dir.')
+# A notebook may import several scripts (the same flag names) or %run one again.
+utils.redefinable(FLAGS)
 
 # Flags that may change between a run and its resumption without changing what it computes.
 RESTART_FLAGS = {'resume', 'ckpt_dir', 'ckpt_every_steps', 'keep_checkpoints', 'num_epochs',
@@ -152,13 +154,13 @@ def start_run(cfg, num_classes, steps_per_epoch, stop_signal):
         cfg.lr_scheduler_divisor))
   writer = SummaryWriter(cfg.logdir) if cfg.logdir and xm.is_master_ordinal() else None
   run = SimpleNamespace(cfg=cfg, model=model, optimizer=optimizer, scheduler=scheduler,
-                        log=utils.StepLog(device, writer), stop=utils.StopVote(device, stop_signal),
-                        stop_signal=stop_signal, results=utils.new_results(cfg.model), epoch=1,
-                        step=0, global_step=0)
+                        stop=utils.StopVote(device, stop_signal), stop_signal=stop_signal,
+                        results=utils.new_results(cfg.model), epoch=1, step=0, global_step=0)
   state = checkpoints.resume(cfg.resume, cfg.ckpt_dir, (model, optimizer, scheduler),
                              vars(cfg), RESTART_FLAGS)
   if state is not None:
     vars(run).update({key: state[key] for key in ('results', 'epoch', 'step', 'global_step')})
+  run.log = utils.StepLog(device, writer, run.results['history'])  # After the restore.
   return run
 
 
@@ -212,6 +214,8 @@ def evaluate(model, loader):
 def save_checkpoint(run, epoch, step, best=False):
   """Saves the whole training state after `step` steps of `epoch`; returns its path. Every
   replica calls it at the same step; the master writes."""
+  torch_xla.sync()  # Runs the step's log closure, ...
+  run.log.flush()  # ... and waits for it: the history saved is whole.
   state = dict(model=run.model.state_dict(), optimizer=run.optimizer.state_dict(),
                lr_scheduler=run.scheduler.state_dict() if run.scheduler else None, epoch=epoch,
                step=step, global_step=run.global_step, flags=vars(run.cfg),
@@ -222,7 +226,7 @@ def save_checkpoint(run, epoch, step, best=False):
 def stop_run(run, epoch, step):
   """The end of a run stopped by SIGTERM or Ctrl-C at a step boundary: saves, says so."""
   saved = save_checkpoint(run, epoch, step) if run.cfg.ckpt_dir else None
-  name, code = utils.record_stop(run.results, run.stop_signal(), run.global_step)
+  name, code = utils.record_stop(run.results, run.stop_signal(), run.global_step, saved)
   xm.master_print(f'Stopped by {name} at epoch {epoch} step {step}: ' +
                   (f'saved {saved}; run the same command to resume' if saved else
                    'nothing saved (no --ckpt_dir)') + f' (exit code {code})', flush=True)
@@ -233,6 +237,7 @@ def end_epoch(run, epoch, accuracy, counts):
   """Adds an evaluated epoch to the results and saves it; returns whether to stop now."""
   results = run.results
   best = accuracy > results['max_accuracy']
+  results['epoch_accuracies'].append(accuracy)
   results.update(epochs=epoch, final_accuracy=accuracy, eval_correct=counts[0],
                  eval_samples=counts[1], max_accuracy=max(results['max_accuracy'], accuracy))
   results['compilations_after_epoch'].append(utils.compile_count())
@@ -339,8 +344,18 @@ def main(argv):
     torch_xla.launch(_mp_fn, args=(flag_values,), debug_single_process=FLAGS.num_cores == 1)
 
 
+def run(argv):
+  """This script from Python or a notebook cell: run(['--flag', value, ...]) returns the
+  results (see --results_json) or raises what the exit code means (see command.py)."""
+  import command  # Only run() and %run need command.py.
+  return command.run(__file__, argv)
+
+
 if __name__ == '__main__':
-  app.run(main, flags_parser=utils.parse_flags)
+  if utils.in_notebook():  # %run in a notebook: a command of its own, as run() starts it.
+    run(sys.argv[1:])
+  else:
+    app.run(main, flags_parser=utils.parse_flags)
 elif __name__ == '__mp_main__':
   # A replica imports this file in its main thread, the only one that may catch a signal.
   supervision.stop_on_signals()

@@ -55,6 +55,18 @@ def parse_flags(argv):
   return rest
 
 
+def redefinable(flag_values):
+  """Lets these flags be defined again: a notebook may import several scripts, which define
+  the same names, or `%run` one twice."""
+  for name in flag_values:
+    flag_values[name].allow_override = True
+
+
+def in_notebook():
+  """Whether this process is an IPython kernel or shell (`%run script.py` in a notebook)."""
+  return 'IPython' in sys.modules and sys.modules['IPython'].get_ipython() is not None
+
+
 def create_model(name, num_classes):
   """A torchvision classifier with fresh weights (nothing is downloaded)."""
   if name not in torchvision.models.list_models(torchvision.models):
@@ -227,8 +239,9 @@ class StepLog:
   from a thread of their own: add() is a step closure, and reading the loss in the training
   thread would hold up the next step (a run_async closure's lines could trail the epoch's)."""
 
-  def __init__(self, device, writer):
-    self.device, self.writer, self.pending = device, writer, collections.deque()
+  def __init__(self, device, writer, history):
+    self.device, self.writer, self.history = device, writer, history  # history: results'
+    self.pending = collections.deque()
     self.thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix='log')
 
   def add(self, *line):  # What _print takes.
@@ -237,6 +250,8 @@ class StepLog:
   def _print(self, epoch, step, global_step, loss, tracker, lr):
     loss, rate = loss.item(), tracker.rate()
     test_utils.print_training_update(self.device, step, loss, rate, tracker.global_rate(), epoch)
+    self.history.append(dict(epoch=epoch, step=step, global_step=global_step, loss=loss,
+                             rate=rate, lr=lr))
     test_utils.write_to_summary(self.writer, global_step,
                                 {'Loss/train': loss, 'Rate/train': rate, 'LR': lr})
 
@@ -261,8 +276,9 @@ def new_results(model, **extra):
   """The numbers a run adds up as it goes, which --results_json writes (see the README)."""
   return dict(dict(model=model, world_size=xr.world_size(), epochs=0, max_accuracy=0.0,
                    final_accuracy=0.0, eval_correct=0, eval_samples=0, epoch_rates=[],
-                   epoch_device_busy=[], compilations_after_epoch=[], train_seconds=0.0,
-                   bf16=os.environ.get('XLA_USE_BF16') == '1'), **extra)  # extra overrides.
+                   epoch_accuracies=[], epoch_device_busy=[], compilations_after_epoch=[],
+                   train_seconds=0.0, history=[], bf16=os.environ.get('XLA_USE_BF16') == '1'),
+              **extra)  # extra overrides.
 
 
 def finish_results(results, global_step, samples_per_step, writer):
@@ -346,9 +362,10 @@ def is_master():
   return xr.process_index() == 0 if xr.is_spmd() else xm.is_master_ordinal(local=False)
 
 
-def record_stop(results, signum, global_step):
-  """Marks results stopped by signum after global_step steps; returns (its name, exit code)."""
-  results['train_steps'] = global_step
+def record_stop(results, signum, global_step, checkpoint=None):
+  """Marks results stopped by signum after global_step steps, and the checkpoint it saved (or
+  None); returns (the signal's name, the exit code)."""
+  results.update(train_steps=global_step, checkpoint=checkpoint)
   if signum == signal.SIGINT:
     results['interrupted'] = True
     return 'Ctrl-C (SIGINT)', EXIT_INTERRUPTED

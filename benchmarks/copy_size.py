@@ -2,7 +2,7 @@
 """What a user who copies one training script reads: the script and the repo's modules it
 imports (followed through their own imports), without supervision.py, which a copier
 running under torchrun or a launcher of their own may leave out (see its docstring), and
-with it. Lines are counted twice: those a reader reads (not blank: code, comments and
+command.py, which only run() and %run need, and with them. Lines are counted twice: those a reader reads (not blank: code, comments and
 docstrings) and all of them (as `wc -l` counts). Also the longest function and the most parameters of
 each file, and the imports between the repo's files (a shared module imports no script).
 
@@ -16,7 +16,7 @@ import sys
 REPO = pathlib.Path(__file__).resolve().parents[1]
 SCRIPTS = ['train_resnet_mp.py', 'train_resnet_spmd.py', 'train_single_core.py',
            'train_wds_cifar.py', 'make_cifar_shards.py', 'launch_pod.py']
-OPTIONAL = 'supervision.py'
+OPTIONAL = ('supervision.py', 'command.py')
 
 
 def local_imports(path):
@@ -62,15 +62,15 @@ def functions(name):
 
 
 def main():
-  print('| script | files it needs | lines read, without supervision.py | with it | all '
-        'lines (wc -l), without | with |')
+  print('| script | files it needs | lines read, without supervision.py and command.py | with '
+        'them | all lines (wc -l), without | with |')
   print('|---|---|---|---|---|---|')
   for script in SCRIPTS:
     files = needed(script)
     counts = []
     for count in (read_lines, lines):
       total = sum(map(count, files))
-      counts += [total - count(OPTIONAL) if OPTIONAL in files else total, total]
+      counts += [total - sum(count(name) for name in OPTIONAL if name in files), total]
     print(f'| {script} | {" ".join(files[1:]) or "-"} | {" | ".join(map(str, counts))} |')
   print()
   print('| file | lines read | lines | imports from the repo | longest function | most parameters |')

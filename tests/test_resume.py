@@ -82,6 +82,12 @@ def test_killed_stopped_and_killed_mid_save_run_ends_bitwise_equal(data, referen
   assert_same_training(ckpt_dir, reference[0])
   results = read_json(tmp_path / 'r.json')
   assert results['train_steps'] == EPOCHS * STEPS and results['epochs'] == EPOCHS
+  # The curves' data is whole across the kill, the stop and the kill mid-save: every step
+  # once, with the loss the uninterrupted run printed; each epoch's accuracy once.
+  reference_losses = training_losses(reference[1])
+  assert [(h['epoch'], h['step'], f"{h['loss']:.5f}") for h in results['history']] == [
+      (epoch, step, reference_losses[epoch, step]) for epoch in (1, 2) for step in range(STEPS)]
+  assert len(results['epoch_accuracies']) == EPOCHS
   # Two newest checkpoints and best.pt are kept.
   names = sorted(p.name for p in ckpt_dir.iterdir())
   assert names == ['best.pt', 'ckpt-00000015.pt', 'ckpt-00000016.pt'], names
