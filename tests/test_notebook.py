@@ -1,0 +1,144 @@
+# SPDX-License-Identifier: BSD-3-Clause
+"""The scripts in a real Jupyter kernel (ipykernel running this venv's Python): the quick
+start notebook executed top to bottom by nbclient, as "Run all" does, and run() and %run
+in one kernel, interrupted as the notebook's "Interrupt kernel" button does."""
+
+import os
+import re
+import shutil
+import time
+
+import nbformat
+from jupyter_client.manager import start_new_kernel
+from nbclient import NotebookClient
+
+from conftest import REPO, make_cifar_python, run_processes, script_env
+
+
+def test_quickstart_notebook_runs_all_cells_and_draws_the_curves(tmp_path):
+  # A checkout of the repo's files (not the repo itself: the notebook writes runs/ beside them).
+  checkout = tmp_path / 'checkout'
+  shutil.copytree(REPO, checkout, ignore=shutil.ignore_patterns(
+      '.*', '__pycache__', 'tests', 'benchmarks', 'runs', 'data'))
+  make_cifar_python(tmp_path / 'cifar' / 'cifar-10-batches-py', per_batch=40, test_count=48)
+  notebook = nbformat.read(checkout / 'notebooks' / 'quickstart.ipynb', as_version=4)
+  assert all(not cell.get('outputs') for cell in notebook.cells)  # Stripped in the repo.
+  env = script_env(QUICKSTART_DATA=str(tmp_path / 'cifar'), QUICKSTART_SMALL='1')
+  client = NotebookClient(notebook, timeout=600, kernel_name='python3',
+                          resources={'metadata': {'path': str(checkout / 'notebooks')}})
+  client.execute(env=env)  # Raises CellExecutionError, with the cell's output, on an error.
+
+  code = [cell for cell in notebook.cells if cell.cell_type == 'code']
+  text = ['\n'.join(o.get('text', '') for o in cell.outputs if o.output_type == 'stream')
+          for cell in code]
+  assert 'nothing to install' in text[0], text[0]
+  assert re.search(r'^\| Training Device=xla:0/0 Epoch=1 Step=5 ', text[1], re.M), text[1]
+  assert re.search(r'samples/s on 1 replicas', text[1]), text[1]
+  assert 'Wrote 200 training samples in 1 shards and 48 test samples' in text[2], text[2]
+  accuracy = re.search(r'^Accuracy after 3 epochs: ([\d.]+)%$', text[3], re.M)
+  assert accuracy, text[3]
+  assert (checkout / 'runs' / 'quickstart' / 'ckpt' / 'best.pt').exists()
+  images = [o for o in code[4].outputs if 'image/png' in o.get('data', {})]
+  assert len(images) == 1, code[4].outputs
+
+
+class Kernel:
+  """A Jupyter kernel of this venv's Python, driven as a notebook front end drives it."""
+
+  def __init__(self, cwd, env):
+    self.manager, self.client = start_new_kernel(kernel_name='python3', cwd=str(cwd), env=env)
+
+  def pid(self):
+    return self.manager.provisioner.process.pid
+
+  def execute(self, code, on_output=None, timeout=600):
+    """Runs a cell; returns (its stdout and stderr, its error as the front end shows it or
+    None). on_output(text so far) is called as output comes; it may interrupt the kernel."""
+    msg_id = self.client.execute(code)
+    output, error = '', None
+    while True:
+      message = self.client.get_iopub_msg(timeout=timeout)
+      if message['parent_header'].get('msg_id') != msg_id:
+        continue
+      kind, content = message['msg_type'], message['content']
+      if kind == 'stream':
+        output += content['text']
+        if on_output:
+          on_output(output)
+      elif kind == 'error':
+        error = f'{content["ename"]}: {content["evalue"]}\n' + '\n'.join(content['traceback'])
+      elif kind == 'status' and content['execution_state'] == 'idle':
+        return output, error
+
+  def close(self):
+    self.client.stop_channels()
+    self.manager.shutdown_kernel(now=True)
+
+
+def test_run_and_percent_run_in_one_kernel_interrupted_and_resumed(tmp_path):
+  mark = f'notebook-test-{os.getpid()}-{time.time_ns()}'
+  kernel = Kernel(REPO, script_env(RUN_MARK=mark))
+  try:
+    output, error = kernel.execute(
+        'import signal, threading\n'
+        'before = (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM), '
+        'threading.active_count())')
+    assert error is None, error
+
+    # %run twice: a run that trains, then one with a bad flag (one line, no traceback).
+    tiny = '--fake_data --model resnet18 --img_dim 16 --batch_size 4 --test_set_batch_size 4'
+    output, error = kernel.execute(f'%run train_single_core.py {tiny} --num_epochs 1 '
+                                   '--num_steps 3 --log_steps 1')
+    assert error is None and 'Max Accuracy: 100.00%' in output, (output, error)
+    assert len(re.findall(r'^\| Training ', output, re.M)) == 3, output
+    output, error = kernel.execute('%run train_single_core.py --fake_data --model nosuchnet')
+    assert error and error.startswith('UsageError: --model nosuchnet is not a torchvision '
+                                      'classification model'), (output, error)
+    assert 'Traceback' not in error + output and 'File "' not in error, (output, error)
+
+    # run() of another script: a bad flag is an exception with the command's one line.
+    output, error = kernel.execute(
+        f'import train_resnet_mp\ntrain_resnet_mp.run({tiny.split() + ["--num_steps", "0"]})')
+    assert error and error.startswith('UsageError: flag --num_steps=0: 0 is not a positive integer'), error
+    assert 'Traceback' not in error + output and 'File "' not in error, (output, error)
+
+    # Interrupt kernel while the replicas compile their first step: a stop with a checkpoint.
+    ckpt_dir = tmp_path / 'ckpt'
+    flags = tiny.split() + ['--num_steps', '12', '--log_steps', '1', '--ckpt_dir', str(ckpt_dir)]
+    sent = []
+
+    def interrupt_once(output):
+      if not sent and 'Epoch 1 train begin' in output:
+        kernel.manager.interrupt_kernel()
+        sent.append(True)
+
+    output, error = kernel.execute(f'train_resnet_mp.run({flags + ["--num_epochs", "2"]})',
+                                   on_output=interrupt_once)
+    assert sent and error, (output, error)
+    stopped = re.match(r'Stopped: Stopped by Ctrl-C \(SIGINT\) at epoch 1 step (\d+): saved '
+                       r'(\S+); run the same command to resume \(exit code 130\)', error)
+    assert stopped and 'Interrupted: stopping after the current step' in output, (output, error)
+    assert os.path.exists(stopped.group(2))
+    deadline = time.monotonic() + 5
+    while (left := [p for p in run_processes(mark=mark) if p != kernel.pid()]) and (
+        time.monotonic() < deadline):
+      time.sleep(0.1)
+    assert not left, f'processes of the run still alive: {left}'
+    output, error = kernel.execute('import sys\nprint(sys.last_value.checkpoint)')
+    assert output.strip() == stopped.group(2), (output, error)
+
+    # The same call, with one epoch fewer: it resumes and returns the whole history.
+    output, error = kernel.execute(
+        f'results = train_resnet_mp.run({flags + ["--num_epochs", "1"]})\n'
+        'print(results["train_steps"], [entry["step"] for entry in results["history"]], '
+        'results["epoch_accuracies"])')
+    assert error is None, (output, error)
+    assert f'Resumed from {stopped.group(2)} at epoch 1 step {stopped.group(1)}' in output, output
+    assert output.strip().endswith(f'12 {list(range(12))} [100.0]'), output
+
+    output, error = kernel.execute(
+        'print(before == (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM), '
+        'threading.active_count()))')
+    assert (output, error) == ('True\n', None)
+  finally:
+    kernel.close()
