@@ -407,13 +407,20 @@ def test_an_unknown_host_key_says_what_to_do_and_is_not_retried(sshd, tmp_path, 
   assert done.returncode == 0, done
 
 
-def test_kill_stale_ends_what_holds_the_tpu_first(sshd, tmp_path, mark):
-  device = tmp_path / 'accel0'
-  device.touch()
-  holder = subprocess.Popen(python(f'f = open("{device}"); print("held", flush=True); '
+def hold_open(path):
+  """A process (in a session of its own) that holds path open, as a TPU runtime holds its
+  device and lock file, once it has opened it."""
+  holder = subprocess.Popen(python(f'f = open("{path}"); print("held", flush=True); '
                                    'import time; time.sleep(600)'),
                             stdout=subprocess.PIPE, text=True, start_new_session=True)
   assert holder.stdout.readline() == 'held\n'
+  return holder
+
+
+def test_kill_stale_ends_what_holds_the_tpu_first(sshd, tmp_path, mark):
+  device = tmp_path / 'accel0'
+  device.touch()
+  holder = hold_open(device)
   ended = []  # Reaped at once, as a stale process is: gone from /proc while both workers look.
   threading.Thread(target=lambda: ended.append(holder.wait())).start()
   code, out = launch(sshd, '--kill_stale', f'--tpu_devices={tmp_path}/accel*', '--',
@@ -429,10 +436,7 @@ def test_kill_stale_ends_what_holds_the_tpu_first(sshd, tmp_path, mark):
 def test_kill_stale_removes_the_tpu_lockfile_unless_a_process_holds_it(sshd, tmp_path, mark):
   lockfile = tmp_path / 'libtpu_lockfile'
   lockfile.touch()
-  holder = subprocess.Popen(python(f'f = open("{lockfile}"); print("held", flush=True); '
-                                   'import time; time.sleep(600)'),
-                            stdout=subprocess.PIPE, text=True, start_new_session=True)
-  assert holder.stdout.readline() == 'held\n'
+  holder = hold_open(lockfile)
   flags = ['--kill_stale', f'--tpu_devices={tmp_path}/accel*', f'--tpu_lockfile={lockfile}', '--',
            *python('print("training")')]
   try:
