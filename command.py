@@ -162,10 +162,8 @@ def _copy_output(process, selector, lines):
           *done, key.data[2] = (partial + chunk).split('\n')
           lines.extend(line.rstrip('\r') for line in done)
       return process.wait()
-    except KeyboardInterrupt:  # As a terminal does: SIGINT to the command's whole group.
-      print('\nInterrupted: stopping after the current step, with a checkpoint if --ckpt_dir '
-            'is set (interrupt again to stop at once) ...', file=sys.stderr, flush=True)
-      try:
+    except KeyboardInterrupt:  # As a terminal does: SIGINT to the command's whole group,
+      try:  # which says at once what it does.
         os.killpg(process.pid, signal.SIGINT)
       except ProcessLookupError:
         pass

@@ -52,7 +52,7 @@ def _on_stop_signal(signum, frame):
 
 
 @contextlib.contextmanager
-def run_watched(launcher):
+def run_watched(launcher, saving):
   """In the process the user started, around the run: a thread of its own takes SIGTERM and
   SIGINT, so that it acts at once even while the main thread is busy in XLA (compiling,
   say). The first asks for a stop after the current step, a second Ctrl-C ends the run at
@@ -60,13 +60,14 @@ def run_watched(launcher):
   same thread watches them: torch_xla.launch waits for replica 0 first, and would wait
   forever for a run whose other replica failed, so when one ends with an error or a signal
   (the OOM killer's, say) the thread kills the others and their loader workers and exits
-  with that code (128 + N for signal N)."""
+  with that code (128 + N for signal N). saving: whether a stop saves a checkpoint (the
+  line the first signal prints at once says so)."""
   wakeup_read, wakeup_write = os.pipe()
   os.set_blocking(wakeup_write, False)
   for signum in STOP_SIGNALS:
     signal.signal(signum, lambda signum, frame: None)  # The watch thread acts on them.
   signal.set_wakeup_fd(wakeup_write)
-  threading.Thread(target=_watch, args=(wakeup_read, launcher), daemon=True).start()
+  threading.Thread(target=_watch, args=(wakeup_read, launcher, saving), daemon=True).start()
   try:
     yield
   except concurrent.futures.process.BrokenProcessPool:  # A replica died: the watch says how.
@@ -78,7 +79,7 @@ def run_watched(launcher):
     end_loader_workers()
 
 
-def _watch(wakeup, launcher):
+def _watch(wakeup, launcher, saving):
   global _stop_signal
   while True:
     if select.select([wakeup], [], [], 0.2)[0]:
@@ -86,7 +87,7 @@ def _watch(wakeup, launcher):
         if signum == signal.SIGINT and _stop_signal:
           _end_run(utils.EXIT_INTERRUPTED, 'Stopped at once by a second Ctrl-C: nothing saved '
                    f'since the last checkpoint (exit code {utils.EXIT_INTERRUPTED})')
-        _stop_signal = _stop_signal or signum
+        first, _stop_signal = not _stop_signal, _stop_signal or signum
         if launcher:  # To the replicas, started or starting; multiprocessing's resource
           # tracker, the other child, ignores both.
           replicas = _children_of()[os.getpid()]
@@ -94,6 +95,10 @@ def _watch(wakeup, launcher):
             _end_run(128 + signum, None)
           for pid in replicas:
             os.kill(pid, signum)
+        if first:  # At once: the step and the save can take a minute, said or not.
+          print('Stopping after this step ' + ('and saving (Ctrl-C again to end at once without '
+                'saving)' if saving else '(nothing is saved without --ckpt_dir; Ctrl-C again '
+                'to end at once)'), flush=True)
     if launcher:
       _check_replicas()
 

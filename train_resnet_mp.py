@@ -223,9 +223,11 @@ def save_checkpoint(run, epoch, step, best=False):
   return checkpoints.save(state, run.cfg.ckpt_dir, run.cfg.keep_checkpoints, best)
 
 
-def stop_run(run, epoch, step):
-  """The end of a run stopped by SIGTERM or Ctrl-C at a step boundary: saves, says so."""
-  saved = save_checkpoint(run, epoch, step) if run.cfg.ckpt_dir else None
+def stop_run(run, epoch, step, saved=None):
+  """The end of a run stopped by SIGTERM or Ctrl-C at a step boundary: saves (unless `saved`
+  holds this very state), says so."""
+  if saved is None and run.cfg.ckpt_dir:
+    saved = save_checkpoint(run, epoch, step)
   name, code = utils.record_stop(run.results, run.stop_signal(), run.global_step, saved)
   xm.master_print(f'Stopped by {name} at epoch {epoch} step {step}: ' +
                   (f'saved {saved}; run the same command to resume' if saved else
@@ -234,7 +236,8 @@ def stop_run(run, epoch, step):
 
 
 def end_epoch(run, epoch, accuracy, counts):
-  """Adds an evaluated epoch to the results and saves it; returns whether to stop now."""
+  """Adds an evaluated epoch to the results and saves it; returns (whether to stop now, the
+  checkpoint saved or None)."""
   results = run.results
   best = accuracy > results['max_accuracy']
   results['epoch_accuracies'].append(accuracy)
@@ -244,9 +247,9 @@ def end_epoch(run, epoch, accuracy, counts):
   test_utils.write_to_summary(run.log.writer, epoch, {'Accuracy/test': accuracy})
   if run.cfg.metrics_debug:
     xm.master_print(met.metrics_report(), flush=True)
-  if run.cfg.ckpt_dir:
-    save_checkpoint(run, epoch + 1, 0, best=best)
-  return run.stop.agreed_at_epoch_end()
+  saved = save_checkpoint(run, epoch + 1, 0, best=best) if run.cfg.ckpt_dir else None
+  # After the last epoch a stop has nothing left to stop: the run ends as done.
+  return epoch < run.cfg.num_epochs and run.stop.agreed_at_epoch_end(), saved
 
 
 def train(cfg, stop_signal):
@@ -289,8 +292,9 @@ def train(cfg, stop_signal):
     test_loader.check()
     xm.master_print(f'Epoch {epoch} test end {test_utils.now()}, Accuracy={accuracy:.2f}',
                     flush=True)
-    if end_epoch(run, epoch, accuracy, counts):
-      return stop_run(run, epoch + 1, 0)
+    stop, saved = end_epoch(run, epoch, accuracy, counts)
+    if stop:
+      return stop_run(run, epoch + 1, 0, saved)
   del profiler
   return utils.finish_results(results, run.global_step, cfg.batch_size * world_size,
                               run.log.writer)
@@ -340,7 +344,7 @@ def main(argv):
   print('Starting ' + ('one replica (--num_cores 1)' if FLAGS.num_cores == 1 else
                        'one replica per local XLA device') + ' ...', flush=True)
   # A stop signal stops every replica after a step; a failing one ends them all: see there.
-  with supervision.run_watched(launcher=FLAGS.num_cores != 1):
+  with supervision.run_watched(launcher=FLAGS.num_cores != 1, saving=bool(FLAGS.ckpt_dir)):
     torch_xla.launch(_mp_fn, args=(flag_values,), debug_single_process=FLAGS.num_cores == 1)
 
 

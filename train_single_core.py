@@ -221,9 +221,11 @@ def save_checkpoint(run, epoch, step, best=False):
   return checkpoints.save(state, run.cfg.ckpt_dir, run.cfg.keep_checkpoints, best)
 
 
-def stop_run(run, epoch, step):
-  """The end of a run stopped by SIGTERM or Ctrl-C at a step boundary: saves, says so."""
-  saved = save_checkpoint(run, epoch, step) if run.cfg.ckpt_dir else None
+def stop_run(run, epoch, step, saved=None):
+  """The end of a run stopped by SIGTERM or Ctrl-C at a step boundary: saves (unless `saved`
+  holds this very state), says so."""
+  if saved is None and run.cfg.ckpt_dir:
+    saved = save_checkpoint(run, epoch, step)
   name, code = utils.record_stop(run.results, run.stop_signal(), run.global_step, saved)
   xm.master_print(f'Stopped by {name} at epoch {epoch} step {step}: ' +
                   (f'saved {saved}; run the same command to resume' if saved else
@@ -232,7 +234,8 @@ def stop_run(run, epoch, step):
 
 
 def end_epoch(run, epoch, accuracy, counts):
-  """Adds an evaluated epoch to the results and saves it; returns whether to stop now."""
+  """Adds an evaluated epoch to the results and saves it; returns (whether to stop now, the
+  checkpoint saved or None)."""
   results = run.results
   best = accuracy > results['max_accuracy']
   results['epoch_accuracies'].append(accuracy)
@@ -242,9 +245,9 @@ def end_epoch(run, epoch, accuracy, counts):
   test_utils.write_to_summary(run.log.writer, epoch, {'Accuracy/test': accuracy})
   if run.cfg.metrics_debug:
     xm.master_print(met.metrics_report(), flush=True)
-  if run.cfg.ckpt_dir:
-    save_checkpoint(run, epoch + 1, 0, best=best)
-  return run.stop_signal() != 0
+  saved = save_checkpoint(run, epoch + 1, 0, best=best) if run.cfg.ckpt_dir else None
+  # After the last epoch a stop has nothing left to stop: the run ends as done.
+  return epoch < run.cfg.num_epochs and run.stop_signal() != 0, saved
 
 
 def train(cfg, stop_signal):
@@ -287,8 +290,9 @@ def train(cfg, stop_signal):
     test_loader.check()
     xm.master_print(f'Epoch {epoch} test end {test_utils.now()}, Accuracy={accuracy:.2f}',
                     flush=True)
-    if end_epoch(run, epoch, accuracy, counts):
-      return stop_run(run, epoch + 1, 0)
+    stop, saved = end_epoch(run, epoch, accuracy, counts)
+    if stop:
+      return stop_run(run, epoch + 1, 0, saved)
   del profiler
   return utils.finish_results(results, run.global_step, cfg.batch_size * world_size,
                               run.log.writer)
@@ -302,7 +306,7 @@ def main(argv):
   if not cfg.fake_data:  # Fake batches need no loader workers.
     cfg.num_workers = utils.usable_workers(cfg.num_workers)
   # SIGTERM and Ctrl-C stop after a step; a second Ctrl-C ends the run at once.
-  with supervision.run_watched(launcher=False):
+  with supervision.run_watched(launcher=False, saving=bool(FLAGS.ckpt_dir)):
     try:
       utils.check_outputs(cfg.ckpt_dir, cfg.logdir, cfg.results_json)
       results = train(cfg, supervision.stop_signal)

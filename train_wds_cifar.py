@@ -97,6 +97,13 @@ RESTART_FLAGS = {'resume', 'ckpt_dir', 'ckpt_every_steps', 'keep_checkpoints', '
                  'profiler_port', 'target_accuracy', 'num_workers', 'prefetch_factor',
                  'loader_prefetch_size', 'device_prefetch_size',
                  'host_to_device_transfer_threads', 'fail_on_bad_data', 'num_cores'}
+# Flags of the image-folder scripts that a user may bring here.
+ELSEWHERE = {'img_dim': 'this script trains on 32x32 CIFAR images, as the shards hold them; '
+                        '--img_dim belongs to the image-folder scripts',
+             'datadir': 'give the shards with --wds_traindir and --wds_testdir (see '
+                        'make_cifar_shards.py); --datadir belongs to the image-folder scripts',
+             'fake_data': 'this script trains on shards; --fake_data belongs to the '
+                          'image-folder scripts'}
 CIFAR_MEAN = (0.4914, 0.4822, 0.4465)
 CIFAR_STD = (0.2470, 0.2435, 0.2616)
 
@@ -342,9 +349,11 @@ def save_checkpoint(run, epoch, step, best=False):
   return checkpoints.save(state, run.cfg.ckpt_dir, run.cfg.keep_checkpoints, best)
 
 
-def stop_run(run, epoch, step):
-  """The end of a run stopped by SIGTERM or Ctrl-C at a step boundary: saves, says so."""
-  saved = save_checkpoint(run, epoch, step) if run.cfg.ckpt_dir else None
+def stop_run(run, epoch, step, saved=None):
+  """The end of a run stopped by SIGTERM or Ctrl-C at a step boundary: saves (unless `saved`
+  holds this very state), says so."""
+  if saved is None and run.cfg.ckpt_dir:
+    saved = save_checkpoint(run, epoch, step)
   name, code = utils.record_stop(run.results, run.stop_signal(), run.global_step, saved)
   xm.master_print(f'Stopped by {name} at epoch {epoch} step {step}: ' +
                   (f'saved {saved}; run the same command to resume' if saved else
@@ -353,7 +362,8 @@ def stop_run(run, epoch, step):
 
 
 def end_epoch(run, epoch, accuracy, counts):
-  """Adds an evaluated epoch to the results and saves it; returns whether to stop now."""
+  """Adds an evaluated epoch to the results and saves it; returns (whether to stop now, the
+  checkpoint saved or None)."""
   results = run.results
   best = accuracy > results['max_accuracy']
   results['epoch_accuracies'].append(accuracy)
@@ -363,9 +373,9 @@ def end_epoch(run, epoch, accuracy, counts):
   test_utils.write_to_summary(run.log.writer, epoch, {'Accuracy/test': accuracy})
   if run.cfg.metrics_debug:
     xm.master_print(met.metrics_report(), flush=True)
-  if run.cfg.ckpt_dir:
-    save_checkpoint(run, epoch + 1, 0, best=best)
-  return run.stop.agreed_at_epoch_end()
+  saved = save_checkpoint(run, epoch + 1, 0, best=best) if run.cfg.ckpt_dir else None
+  # After the last epoch a stop has nothing left to stop: the run ends as done.
+  return epoch < run.cfg.num_epochs and run.stop.agreed_at_epoch_end(), saved
 
 
 def train(cfg, stop_signal):
@@ -411,8 +421,9 @@ def train(cfg, stop_signal):
     test_loader.check()
     xm.master_print(f'Epoch {epoch} test end {test_utils.now()}, Accuracy={accuracy:.2f}',
                     flush=True)
-    if end_epoch(run, epoch, accuracy, counts):
-      return stop_run(run, epoch + 1, 0)
+    stop, saved = end_epoch(run, epoch, accuracy, counts)
+    if stop:
+      return stop_run(run, epoch + 1, 0, saved)
   del profiler
   return utils.finish_results(results, run.global_step, cfg.batch_size * world_size,
                               run.log.writer)
@@ -461,7 +472,7 @@ def main(argv):
   print('Starting ' + ('one replica (--num_cores 1)' if FLAGS.num_cores == 1 else
                        'one replica per local XLA device') + ' ...', flush=True)
   # A stop signal stops every replica after a step; a failing one ends them all: see there.
-  with supervision.run_watched(launcher=FLAGS.num_cores != 1):
+  with supervision.run_watched(launcher=FLAGS.num_cores != 1, saving=bool(FLAGS.ckpt_dir)):
     torch_xla.launch(_mp_fn, args=(flag_values,), debug_single_process=FLAGS.num_cores == 1)
 
 
@@ -478,7 +489,7 @@ if __name__ == '__main__':
   else:
     # Here, not at import: the benchmarks and tests import this file without these flags.
     flags.mark_flags_as_required(['wds_traindir', 'trainsize', 'wds_testdir', 'testsize'])
-    app.run(main, flags_parser=utils.parse_flags)
+    app.run(main, flags_parser=lambda argv: utils.parse_flags(argv, ELSEWHERE))
 elif __name__ == '__mp_main__':
   # A replica imports this file in its main thread, the only one that may catch a signal.
   supervision.stop_on_signals()

@@ -44,10 +44,14 @@ def die(message, code=2):
   sys.exit(code)
 
 
-def parse_flags(argv):
-  """Flags parser for app.run: a bad flag is one line and exit code 2, as argparse does."""
+def parse_flags(argv, elsewhere=None):
+  """Flags parser for app.run: a bad flag is one line and exit code 2, as argparse does.
+  elsewhere: {flag of another script: what to say instead of absl's guess}."""
   try:
     rest = flags.FLAGS(argv)
+  except flags.UnrecognizedFlagError as e:
+    die(f'--{e.flagname}: {elsewhere[e.flagname]}' if e.flagname in (elsewhere or {}) else
+        f'{e} (see --helpshort)')
   except flags.Error as e:
     die(f'{e} (see --helpshort)')
   if len(rest) > 1:

@@ -81,8 +81,12 @@ def test_ctrl_c_stops_every_replica_after_a_step_saves_and_exits_130(data, tmp_p
   process, so_far = start_and_wait_for_steps(script, command(data, tmp_path), 2)
   os.killpg(process.pid, signal.SIGINT)  # What a terminal sends on Ctrl-C.
   sent = time.monotonic()
+  # Said at once, before the step and the save that the stop waits for.
+  heard = wait_for(process, r'^Stopping after this step and saving \(Ctrl-C again to end at '
+                   r'once without saving\)$')
+  assert 'Saved checkpoint' not in heard and 'Stopped by' not in heard, heard
   code, rest = finish(process, timeout=300)
-  out = so_far + rest
+  out = so_far + heard + rest
   print(f'stopped {time.monotonic() - sent:.1f} s after Ctrl-C')
   assert code == 130, out
   assert 'Traceback' not in out and 'KeyboardInterrupt' not in out, out
@@ -259,7 +263,7 @@ def replica(index):
   time.sleep(600)
 
 if __name__ == '__main__':
-  with supervision.run_watched(launcher=True):
+  with supervision.run_watched(launcher=True, saving=False):
     with concurrent.futures.ProcessPoolExecutor(4, multiprocessing.get_context('spawn')) as pool:
       print(list(pool.map(replica, range(4))))
 '''

@@ -117,7 +117,8 @@ def test_run_and_percent_run_in_one_kernel_interrupted_and_resumed(tmp_path):
     assert sent and error, (output, error)
     stopped = re.match(r'Stopped: Stopped by Ctrl-C \(SIGINT\) at epoch 1 step (\d+): saved '
                        r'(\S+); run the same command to resume \(exit code 130\)', error)
-    assert stopped and 'Interrupted: stopping after the current step' in output, (output, error)
+    assert stopped and re.search(r'^Stopping after this step and saving', output, re.M), (
+        output, error)
     assert os.path.exists(stopped.group(2))
     deadline = time.monotonic() + 5
     while (left := [p for p in run_processes(mark=mark) if p != kernel.pid()]) and (

@@ -6,6 +6,7 @@ of writing a checkpoint, and restarted each time with the same command; it must 
 weights bitwise equal to a run that was never interrupted.
 """
 
+import os
 import pickle
 import re
 import shutil
@@ -14,9 +15,9 @@ import signal
 import pytest
 import torch
 
-from conftest import (assert_one_error, assert_same_training, kill_during_save,
+from conftest import (assert_one_error, assert_same_training, finish, kill_during_save,
                       make_image_folder, read_json, run_and_signal, run_script, seeded_random,
-                      training_losses)
+                      start_script, training_losses, wait_for)
 
 SCRIPT = 'train_single_core.py'
 EPOCHS, STEPS = 2, 8  # 16 steps in all
@@ -161,3 +162,33 @@ def test_checkpoint_of_a_bigger_model_is_one_clear_line(reference, data, tmp_pat
   result = run_script(SCRIPT, *flags(data, ckpt_dir))
   assert_one_error(result, 2, r'\(1 weight\(s\) differ, e\.g\. layer5\.0\.conv1\.weight: '
                               r'\[1\] there, absent here;')
+
+
+def test_a_stop_as_an_epoch_ends_saves_once_and_after_the_last_epoch_is_the_end(tmp_path):
+  ckpt_dir = tmp_path / 'ckpt'
+  args = ['--fake_data', '--model', 'resnet18', '--img_dim', 16, '--batch_size', 4,
+          '--test_set_batch_size', 4, '--num_steps', 3, '--log_steps', 1, '--num_epochs', 2,
+          '--ckpt_dir', ckpt_dir, '--results_json', tmp_path / 'r.json']
+
+  def stop_as_epoch_ends(epoch):
+    """SIGTERM once the epoch's training is over: it lands while the epoch is evaluated."""
+    process = start_script(SCRIPT, *args)
+    so_far = wait_for(process, rf'^Epoch {epoch} train end ')
+    os.killpg(process.pid, signal.SIGTERM)
+    code, rest = finish(process)
+    return code, so_far + rest
+
+  code, out = stop_as_epoch_ends(1)
+  assert code == 75, out
+  saved = str(ckpt_dir / 'ckpt-00000003.pt')
+  assert re.findall(r'^Saved checkpoint (\S+)$', out, re.M) == [saved], out  # Once.
+  assert re.search(rf'^Stopped by SIGTERM at epoch 2 step 0: saved {re.escape(saved)}; run the '
+                   r'same command to resume \(exit code 75\)$', out, re.M), out
+  # Epoch 2 is the last: a stop as it ends has nothing left to stop, and the run is done.
+  code, out = stop_as_epoch_ends(2)
+  assert code == 0, out
+  assert re.search(r'^Stopping after this step and saving', out, re.M), out
+  assert re.findall(r'^Saved checkpoint (\S+)$', out, re.M) == [str(ckpt_dir / 'ckpt-00000006.pt')]
+  assert 'Stopped by' not in out and re.search(r'^Max Accuracy: 100.00%$', out, re.M), out
+  results = read_json(tmp_path / 'r.json')
+  assert results['train_steps'] == 6 and 'preempted' not in results, results

@@ -467,6 +467,9 @@ BAD_INPUTS = {
         r'trains on 32x32'),
     'unwritable ckpt_dir': (lambda s: ['--ckpt_dir', s / 'shards' / 'cifar-test-000000.tar' / 'ckpt'],
                             r'cannot write to --ckpt_dir \S+cifar-test-000000.tar/ckpt'),
+    'a flag of the image-folder scripts': (
+        lambda s: ['--img_dim', 64], r'^error: --img_dim: this script trains on 32x32 CIFAR '
+        r'images, as the shards hold them; --img_dim belongs to the image-folder scripts$'),
 }
 
 
