@@ -119,9 +119,10 @@ def check_same_model(model, state, path):
                      'that run, or another --ckpt_dir')
 
 
-def resume(resume_path, ckpt_dir, training, flag_values, restart_flags):
+def resume(resume_path, ckpt_dir, training, flag_values, restart_flags, world_size):
   """Restores training = (model, optimizer, scheduler or None) and the RNGs from find()'s
-  checkpoint and returns it (or None); warns of flags changed, but for restart_flags."""
+  checkpoint and returns it (or None); warns of flags changed, but for restart_flags, and of
+  another number of devices (world_size) than the checkpoint's run had."""
   path, state = find(resume_path, ckpt_dir)
   if state is None:
     return None
@@ -139,6 +140,13 @@ def resume(resume_path, ckpt_dir, training, flag_values, restart_flags):
   if changed:
     xm.master_print(f'warning: resuming {path} with other flags ({"; ".join(changed)}): the '
                     'run will differ from one never interrupted', fd=sys.stderr, flush=True)
+  saved_world = state['results'].get('world_size', world_size)
+  if saved_world != world_size:
+    batch = flag_values['batch_size']
+    xm.master_print(f'warning: resuming {path} on {world_size} devices, saved on {saved_world}: '
+                    f'the global batch is {batch * world_size} instead of {batch * saved_world} '
+                    f'(--batch_size {batch} per device), so the run will differ from one never '
+                    'interrupted (see the README)', fd=sys.stderr, flush=True)
   epoch, num_epochs = state['epoch'], flag_values['num_epochs']
   xm.master_print(f'Run already finished: {path} is the end of epoch {epoch - 1} (--num_epochs '
                   f'{num_epochs})' if epoch > num_epochs else

@@ -157,7 +157,7 @@ def start_run(cfg, num_classes, steps_per_epoch, stop_signal):
                         stop=utils.StopVote(device, stop_signal), stop_signal=stop_signal,
                         results=utils.new_results(cfg.model), epoch=1, step=0, global_step=0)
   state = checkpoints.resume(cfg.resume, cfg.ckpt_dir, (model, optimizer, scheduler),
-                             vars(cfg), RESTART_FLAGS)
+                             vars(cfg), RESTART_FLAGS, run.results['world_size'])
   if state is not None:
     vars(run).update({key: state[key] for key in ('results', 'epoch', 'step', 'global_step')})
   run.log = utils.StepLog(device, writer, run.results['history'])  # After the restore.

@@ -147,7 +147,7 @@ def checkpoint_costs(tmp, name):
   path = checkpoints.save(state(), str(tmp / 'ckpt'), keep=2, best=False)
   save = time.perf_counter() - start
   start = time.perf_counter()
-  checkpoints.resume(path, None, (model, optimizer, None), dict(num_epochs=1), set())
+  checkpoints.resume(path, None, (model, optimizer, None), dict(num_epochs=1), set(), 1)
   xm.wait_device_ops()
   load = time.perf_counter() - start
   return save, load, os.path.getsize(path) / 1e6

@@ -93,6 +93,15 @@ def test_killed_and_stopped_run_on_four_devices_ends_bitwise_equal_and_as_one_de
     if weight.is_floating_point():
       torch.testing.assert_close(weight, theirs[name], rtol=1e-5, atol=1e-5, msg=name)
 
+  # One more epoch on two devices: it goes on, and says what changes.
+  result = run_script(SCRIPT, *run, '--num_epochs', 3, env=script_env(CPU_NUM_DEVICES='2'))
+  assert result.returncode == 0, result.stdout + result.stderr
+  assert re.search(r'^warning: resuming \S+ckpt-00000010\.pt on 2 devices, saved on 4: the global '
+                   r'batch is 8 instead of 16 \(--batch_size 4 per device\), so the run will '
+                   r'differ from one never interrupted \(see the README\)$', result.stderr,
+                   re.M), result.stderr
+  assert re.search(r'^Resumed from \S+ckpt-00000010\.pt at epoch 3 step 0$', result.stdout, re.M)
+
 
 def test_bad_input_is_one_clear_line_and_exit_2(tmp_path):
   result = run_script(SCRIPT, '--datadir', tmp_path / 'nowhere', env=FOUR, timeout=300)
