@@ -39,11 +39,47 @@ def check(root, splits):
     if empty:
       raise UsageError(f'class folder {os.path.join(folder, empty[0])} has no images '
                        f'({" ".join(IMG_EXTENSIONS)}): add images or remove the folder')
+    if _links(folder):  # ImageFolder follows them: an image must still count once.
+      _check_one_path_each(dataset.samples, folder)
     if datasets and dataset.classes != datasets[0].classes:
       raise UsageError(f'{folder} and {os.path.join(root, splits[0])} must hold the same '
                        'class folders')
     datasets.append(dataset)
   return datasets
+
+
+def _links(folder):
+  """The symbolic links below folder, not followed (scandir reads this without a stat)."""
+  found, todo = [], [folder]
+  while todo:
+    with os.scandir(todo.pop()) as entries:
+      for entry in entries:
+        if entry.is_symlink():
+          found.append(entry.path)
+        elif entry.is_dir():
+          todo.append(entry.path)
+  return found
+
+
+def _check_one_path_each(samples, folder):
+  """A UsageError naming the link when a link makes folder reach one image twice (a loop
+  such as CLASS/loop -> ., or a link into another class, which mislabels that image)."""
+  seen = {}
+  for path, _ in samples:
+    real = os.path.realpath(path)
+    if real in seen:
+      link = _link_in(path, folder) or _link_in(seen[real], folder)
+      raise UsageError(f'{folder} reaches {real} twice, as {seen[real]} and as {path}, through '
+                       f'the symbolic link {link}: remove the link, or keep each image in one '
+                       'class folder only')
+    seen[real] = path
+
+
+def _link_in(path, folder):
+  """The first symbolic link on the way from folder to path, or None."""
+  parts = os.path.relpath(path, folder).split(os.sep)
+  return next((link for link in (os.path.join(folder, *parts[:i])
+                                 for i in range(1, len(parts) + 1)) if os.path.islink(link)), None)
 
 
 def load(root, img_dim):

@@ -102,6 +102,14 @@ def _empty_class(tmp_path):
   return data
 
 
+def _linked_folder(tmp, link, target):
+  """A valid image folder, but for one symbolic link train/blue/LINK -> target."""
+  make_image_folder(tmp / 'data', 'train', 2, size=8, seed=1)
+  make_image_folder(tmp / 'data', 'val', 1, size=8, seed=2)
+  (tmp / 'data' / 'train' / 'blue' / link).symlink_to(target)
+  return tmp / 'data'
+
+
 def _a_file(tmp):
   (tmp / 'a_file').write_text('not a folder')
   return tmp / 'a_file'
@@ -115,6 +123,13 @@ BAD_INPUTS = {
                       r'/train has no class folders'),
     'class without images': (lambda tmp: ['--datadir', _empty_class(tmp)],
                              r'class folder \S*train/purple has no images'),
+    'a link loop': (lambda tmp: ['--datadir', _linked_folder(tmp, 'loop', '.')],
+                    r'train reaches \S+/blue/0\.png twice, as \S+/blue/0\.png and as '
+                    r'\S+/blue/loop/0\.png, through the symbolic link \S+/train/blue/loop: remove'),
+    'a link into another class': (
+        lambda tmp: ['--datadir', _linked_folder(tmp, 'red.png', '../red/1.png')],
+        r'train reaches \S+/red/1\.png twice, as \S+/blue/red\.png and as \S+/red/1\.png, '
+        r'through the symbolic link \S+/train/blue/red\.png: remove the link'),
     'unknown model': (lambda tmp: ['--fake_data', '--model', 'resnet7'],
                       r'--model resnet7 is not a torchvision classification model .*build_model'),
     'zero batch size': (lambda tmp: ['--fake_data', '--batch_size', 0],
