@@ -176,12 +176,16 @@ def read_samples(urls, on_bad):
       # A pipe: command (e.g. 'pipe:gsutil cat gs://bucket/shard.tar') or an fsspec URL.
       stream = wds.gopen(url) if url.startswith('pipe:') else fsspec.open(url, 'rb').open()
       try:
-        files = wds.tariterators.tar_file_expander([dict(url=url, stream=stream)])
+        whole = WholeTar(stream)
+        files = wds.tariterators.tar_file_expander([dict(url=url, stream=whole)])
         for sample in wds.tariterators.group_by_keys(files):
           try:
             yield decode(sample)
           except BadSample as e:
             on_bad(f'sample {sample["__key__"]} of {url} {e}')
+        if whole.cut_short():
+          on_bad(f'shard {url} cannot be read to the end (it ends inside a tar header, '
+                 f'after {whole.size} bytes: the rest of it is lost)')
       finally:
         stream.close()
     except utils.BadDataError:
@@ -189,6 +193,30 @@ def read_samples(urls, on_bad):
     except Exception as e:  # A missing shard, a truncated or corrupt tar.
       on_bad(f'shard {url} cannot be read to the end ({type(e).__name__}: '
              f'{e.args[0] if e.args else e})')
+
+
+class WholeTar:
+  """A shard's bytes as tarfile reads them, which tell at their end whether the tar was whole:
+  tarfile takes a header cut short for the end of the archive, and says nothing, but a
+  whole tar ends in zero blocks (a compressed one is left to its decompressor)."""
+
+  def __init__(self, stream):
+    self.stream, self.size, self.head, self.tail = stream, 0, b'', b''
+
+  def read(self, size=-1):
+    data = self.stream.read(size)
+    self.head = self.head or data[:6]
+    self.size += len(data)
+    self.tail = (self.tail + data)[-tarfile.BLOCKSIZE:]
+    return data
+
+  def cut_short(self):
+    """Whether the stream, read to its end, is not a whole tar."""
+    while self.read(1 << 16):
+      pass
+    compressed = self.head.startswith((b'\x1f\x8b', b'BZh', b'\xfd7zXZ'))
+    return not compressed and (self.size % tarfile.BLOCKSIZE != 0 or
+                               self.tail != bytes(tarfile.BLOCKSIZE))
 
 
 class BadData:

@@ -291,6 +291,35 @@ def test_truncated_shard_is_skipped_with_a_warning_or_fatal(shards, tmp_path, ca
     list(shard_format.read_samples([bad], shard_format.BadData(strict=True)))
 
 
+def test_shard_cut_inside_a_tar_header_is_a_bad_shard(shards, tmp_path, capsys):
+  # tarfile takes a header cut short for the end of the archive and says nothing: the cut
+  # shard, in the middle of the list, must be counted and named all the same.
+  source = shards / 'shards' / 'cifar-test-000001.tar'
+  with tarfile.open(source) as tar:
+    starts = [m.offset for m in tar.getmembers() if m.name.endswith('.rgb')][1:]
+  rng = seeded_random()
+  cut = rng.choice(starts) + rng.randrange(1, tarfile.BLOCKSIZE)  # Inside a sample's first header.
+  (tmp_path / 'test').mkdir()
+  for i in range(4):
+    data = (shards / 'shards' / f'cifar-test-{i:06d}.tar').read_bytes()
+    (tmp_path / 'test' / f'cifar-test-{i:06d}.tar').write_bytes(data[:cut] if i == 1 else data)
+  test = [str(tmp_path / 'test' / f'cifar-test-{i:06d}.tar') for i in range(4)]
+  counter = shard_format.BadData(strict=False)
+  read = list(shard_format.read_samples(test, counter))
+  assert counter.count == 1 and len(read) == 150 + starts.index(cut - cut % 512) + 1, len(read)
+  assert re.search(r'^warning: shard \S*cifar-test-000001\.tar cannot be read to the end \(it ends '
+                   rf'inside a tar header, after {cut} bytes: the rest of it is lost\); skipped$',
+                   capsys.readouterr().err, re.M)
+  # The run: with --fail_on_bad_data, one line (a replica reads the test shards at start).
+  result = run_script('train_wds_cifar.py', '--wds_traindir',
+                      shards / 'shards' / 'cifar-train-{000000..000009}.tar', '--trainsize', 480,
+                      '--wds_testdir', tmp_path / 'test' / 'cifar-test-{000000..000003}.tar',
+                      '--testsize', 200, '--fail_on_bad_data', '--num_workers', 0, timeout=300)
+  assert_one_error(result, 2, r'shard \S+cifar-test-000001\.tar cannot be read to the end \(it '
+                   r'ends inside a tar header, after \d+ bytes: the rest of it is lost\): replace '
+                   r'it, or drop --fail_on_bad_data')
+
+
 def write_tar(path, members):
   with tarfile.open(path, 'w') as tar:
     for name, data in members:
