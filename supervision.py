@@ -125,6 +125,10 @@ def replica():
 def replica_failed(error):
   """Ends this replica at once, saying why (see replica)."""
   said = isinstance(error, (utils.UsageError, utils.BadDataError))
+  # The error is the last thing of this replica a user reads: its log thread may still be
+  # printing the last steps' lines.
+  sys.stdout.flush()
+  os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
   if said:
     where = f'replica {xr.global_ordinal()}: ' if xr.world_size() > 1 else ''
     print(f'error: {where}{error}', file=sys.stderr, flush=True)

@@ -164,10 +164,15 @@ def test_failing_replica_ends_the_run_with_its_code(data, tmp_path):
   make_image_folder(folder, 'train', 8, size=16)
   make_image_folder(folder, 'val', 1, size=16)
   (folder / 'train' / 'red' / 'broken.png').write_bytes(b'\x89PNG\r\n\x1a\n not an image')
+  # With --seed 42 the broken image is the 19th of epoch 1: step 4 fails, steps 0-3 trained.
   process = start_script('train_resnet_mp.py', '--datadir', folder, '--model', 'resnet18',
-                         '--img_dim', 16, '--batch_size', 33, '--num_workers', 2,
-                         '--num_epochs', 1)
-  assert_one_error(finish(process, timeout=300), 2, r'cannot read image \S*train/red/broken\.png')
+                         '--img_dim', 16, '--batch_size', 4, '--num_workers', 2,
+                         '--num_epochs', 1, '--log_steps', 1)
+  code, out = finish(process, timeout=300)
+  assert_one_error((code, out), 2, r'cannot read image \S*train/red/broken\.png')
+  # The error is the last line: none of the replica's training lines comes after it.
+  lines = out.rstrip('\n').split('\n')
+  assert TRAIN_LINE.match(lines[-2]) and lines[-1].startswith('error: '), out
   assert_nothing_left(session=process.pid)
 
 
