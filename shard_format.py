@@ -73,10 +73,11 @@ def brace_pattern(prefix, split, count):
 # ---------------------------------------------------------------------------- reading
 def shard_missing(url):
   """Whether the shard does not exist; a UsageError if its server or bucket cannot be asked."""
-  fs, path = fsspec.core.url_to_fs(url)
   try:
-    fs.info(path)
+    utils.reach(url, lambda: _info(url))
     return False
+  except utils.UsageError:
+    raise
   except FileNotFoundError as e:
     # fsspec's http also says this for a server it cannot reach, with the connection's
     # error (an OSError) as the cause.
@@ -87,6 +88,11 @@ def shard_missing(url):
     error = e
   raise utils.UsageError(f'cannot reach {url} ({type(error).__name__}: {error}): check that '
                          'the server or bucket is up and the address is right')
+
+
+def _info(url):
+  fs, path = fsspec.core.url_to_fs(url)
+  return fs.info(path)
 
 
 def check_shards(flag, pattern, strict):

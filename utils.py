@@ -8,10 +8,12 @@ import concurrent.futures
 import io
 import itertools
 import json
+import logging
 import numbers
 import os
 import signal
 import sys
+import threading
 
 import fsspec
 import torch
@@ -25,6 +27,12 @@ from absl import flags
 EXIT_BELOW_TARGET = 21  # upstream's code for a run below --target_accuracy
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped by SIGTERM after a checkpoint; run it again.
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a Ctrl-C.
+REMOTE_SECONDS = 20  # The wait at start for a bucket or server (gcsfs alone retries ~35 s).
+
+# gcsfs and google-auth log each retry and credential fallback, tracebacks included, through
+# absl's handler: a bucket out of reach was a hundred lines. The scripts say it in one.
+for _noisy in ('gcsfs', 'google.auth', 'fsspec'):
+  logging.getLogger(_noisy).setLevel(logging.CRITICAL)
 
 
 class UsageError(Exception):
@@ -341,24 +349,61 @@ def write_atomically(data, url):
 def check_outputs(ckpt_dir, logdir, results_json):
   """A probe file into each output folder given: a place that takes none fails before training,
   not after it. First frees what a killed save left in ckpt_dir."""
-  if ckpt_dir:
-    try:
-      fs, path = fsspec.core.url_to_fs(ckpt_dir)
-      for name in fs.glob(f'{path.rstrip("/")}/*.pt.tmp*'):
-        fs.rm(name)
-    except OSError:
-      pass  # Said below.
   folders = dict(ckpt_dir=ckpt_dir, logdir=logdir,
                  results_json=results_json and (os.path.dirname(results_json) or '.'))
   for flag, folder in ((flag, folder) for flag, folder in folders.items() if folder):
     try:
-      fs, path = fsspec.core.url_to_fs(folder)
-      fs.makedirs(path, exist_ok=True)
-      fs.pipe_file(f'{path.rstrip("/")}/.write-test-{os.getpid()}', b'ok')
-      fs.rm(f'{path.rstrip("/")}/.write-test-{os.getpid()}')
+      reach(folder, lambda: _write_probe(folder, leftovers=flag == 'ckpt_dir'))
+    except UsageError:
+      raise
     except Exception as e:  # PermissionError, NotADirectoryError, a bucket's auth error, ...
       raise UsageError(f'cannot write to --{flag} {folder} ({type(e).__name__}: {e}): give a '
                        'folder or bucket this job can write') from None
+
+
+def _write_probe(folder, leftovers):
+  fs, path = fsspec.core.url_to_fs(folder)
+  if leftovers:
+    try:
+      for name in fs.glob(f'{path.rstrip("/")}/*.pt.tmp*'):
+        fs.rm(name)
+    except OSError:
+      pass  # Said by the probe.
+  fs.makedirs(path, exist_ok=True)
+  fs.pipe_file(f'{path.rstrip("/")}/.write-test-{os.getpid()}', b'ok')
+  fs.rm(f'{path.rstrip("/")}/.write-test-{os.getpid()}')
+
+
+_reached = set()
+
+
+def reach(url, call):
+  """call(), which asks url's file system something. For a URL of the network (gs://, http://,
+  ...) a line says so first, and one that does not answer within REMOTE_SECONDS (no
+  network, a server that hangs) is a UsageError then, not a minute of retries."""
+  if fsspec.utils.get_protocol(url) in ('file', 'local', 'memory'):
+    return call()
+  place = '/'.join(url.split('/')[:3])  # scheme://bucket or scheme://host: said once each
+  if place not in _reached:
+    print(f'Reaching {place} (up to {REMOTE_SECONDS} s) ...', flush=True)
+    _reached.add(place)
+  outcome = {}
+
+  def attempt():
+    try:
+      outcome['value'] = call()
+    except BaseException as e:  # noqa: B036 (raised again below, in the caller's thread)
+      outcome['error'] = e
+
+  thread = threading.Thread(target=attempt, name='reach', daemon=True)  # Left behind if hung.
+  thread.start()
+  thread.join(REMOTE_SECONDS)
+  if thread.is_alive():
+    raise UsageError(f'{url} did not answer within {REMOTE_SECONDS} s: check the network, the '
+                     'address and the credentials')
+  if 'error' in outcome:
+    raise outcome['error']
+  return outcome.get('value')
 
 
 def is_master():

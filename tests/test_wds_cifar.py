@@ -28,8 +28,8 @@ import shard_format
 import train_wds_cifar as wds_cifar
 import utils
 from conftest import (COLOURS, assert_one_error, assert_same_training, finish, make_cifar_python,
-                      make_image_folder, read_json, run_and_signal, run_script, seeded_random,
-                      start_script, training_losses)
+                      make_image_folder, read_json, run_and_signal, run_script, script_env,
+                      seeded_random, start_script, training_losses)
 
 
 @pytest.fixture(scope='module')
@@ -500,6 +500,29 @@ BAD_INPUTS = {
         lambda s: ['--img_dim', 64], r'^error: --img_dim: this script trains on 32x32 CIFAR '
         r'images, as the shards hold them; --img_dim belongs to the image-folder scripts$'),
 }
+
+
+def test_bucket_that_does_not_answer_is_one_line_within_seconds(tmp_path):
+  # gcsfs's own path to a "bucket" on this machine (STORAGE_EMULATOR_HOST): a server that
+  # takes connections and never answers, as with no network; google-auth's metadata server
+  # at a closed port. Nothing leaves 127.0.0.1.
+  silent = socket.create_server(('127.0.0.1', 0))
+  held = []
+  threading.Thread(target=lambda: [held.append(silent.accept()) for _ in range(100)],
+                   daemon=True).start()
+  closed = f'127.0.0.1:{closed_port()}'
+  env = script_env(STORAGE_EMULATOR_HOST=f'http://127.0.0.1:{silent.getsockname()[1]}',
+                   GCE_METADATA_HOST=closed, GCE_METADATA_IP=closed, NO_GCE_CHECK='true',
+                   GOOGLE_APPLICATION_CREDENTIALS='', CLOUDSDK_CONFIG=str(tmp_path))
+  result = run_script('train_wds_cifar.py', '--wds_traindir', 'gs://bucket/train-{000..009}.tar',
+                      '--trainsize', 480, '--wds_testdir', 'gs://bucket/test-{000..003}.tar',
+                      '--testsize', 200, '--num_workers', 0, env=env, timeout=300)
+  assert_one_error(result, 2, r'^error: gs://bucket/train-000\.tar did not answer within 20 s: '
+                   r'check the network, the address and the credentials$')
+  # One line said what it was waiting for; gcsfs's retries and fallbacks said nothing.
+  assert result.stdout.splitlines()[-1] == 'Reaching gs://bucket (up to 20 s) ...', result.stdout
+  assert len(result.stderr.splitlines()) == 1, result.stderr
+  silent.close()
 
 
 @pytest.mark.parametrize('case', BAD_INPUTS)
