@@ -64,6 +64,8 @@ flags.DEFINE_integer('loader_prefetch_size', 8, 'Host batches MpDeviceLoader que
 flags.DEFINE_integer('device_prefetch_size', 4, 'Device batches MpDeviceLoader queues.', lower_bound=1)
 flags.DEFINE_integer('host_to_device_transfer_threads', 1, 'Host-to-device copy threads.', lower_bound=1)
 flags.DEFINE_bool('bf16', False, 'Train in bfloat16: sets XLA_USE_BF16=1 before the spawn.')
+flags.DEFINE_bool('amp', False, 'Mixed precision: forward and loss autocast to bfloat16, weights and '
+                  'optimizer in float32 (see the README).')
 flags.DEFINE_float('target_accuracy', 0.0, 'Exit with code 21 if the final accuracy (%) is below it.')
 flags.DEFINE_string('logdir', None, 'TensorBoard folder for loss, rate, lr and accuracy (master only).')
 flags.DEFINE_bool('metrics_debug', False, "Print torch_xla's metrics report after each epoch.")
@@ -155,7 +157,8 @@ def start_run(cfg, num_classes, steps_per_epoch, stop_signal):
   writer = SummaryWriter(cfg.logdir) if cfg.logdir and xm.is_master_ordinal() else None
   run = SimpleNamespace(cfg=cfg, model=model, optimizer=optimizer, scheduler=scheduler,
                         stop=utils.StopVote(device, stop_signal), stop_signal=stop_signal,
-                        results=utils.new_results(cfg.model), epoch=1, step=0, global_step=0)
+                        results=utils.new_results(cfg.model, amp=cfg.amp), epoch=1, step=0,
+                        global_step=0)
   state = checkpoints.resume(cfg.resume, cfg.ckpt_dir, (model, optimizer, scheduler),
                              vars(cfg), RESTART_FLAGS, run.results['world_size'])
   if state is not None:
@@ -164,9 +167,12 @@ def start_run(cfg, num_classes, steps_per_epoch, stop_signal):
   return run
 
 
-def train_step(model, optimizer, scheduler, images, labels):
+def train_step(model, optimizer, scheduler, images, labels, amp):
   optimizer.zero_grad()
-  loss = F.cross_entropy(model(images), labels)
+  # --amp: convolutions and matmuls in bfloat16, weights, optimizer and reductions in float32
+  # (bfloat16 has float32's range: no gradient scaler).
+  with torch.autocast('xla', dtype=torch.bfloat16, enabled=amp):
+    loss = F.cross_entropy(model(images), labels)
   loss.backward()
   xm.optimizer_step(optimizer)  # All-reduces the gradients over every replica, then steps.
   if scheduler is not None:
@@ -182,7 +188,7 @@ def train_one_epoch(run, loader, epoch, first_step):
   steps = 0
   for step, (images, labels) in enumerate(loader, first_step):
     with xp.StepTrace('train_step', step_num=step):  # Named steps in a profile; ends in a sync.
-      loss = train_step(run.model, run.optimizer, run.scheduler, images, labels)
+      loss = train_step(run.model, run.optimizer, run.scheduler, images, labels, cfg.amp)
       tracker.add(cfg.batch_size)
       if step % cfg.log_steps == 0:
         xm.add_step_closure(run.log.add, args=(epoch, step, run.global_step, loss, tracker,
@@ -197,12 +203,12 @@ def train_one_epoch(run, loader, epoch, first_step):
   return steps, False
 
 
-def evaluate(model, loader):
+def evaluate(model, loader, amp):
   """(accuracy %, correct, total) over all replicas; padding (label -1) is not counted."""
   model.eval()
   # Counted on the device and read once at the end: an .item() per step would sync.
   counts = torch.zeros(2, dtype=torch.int64, device=torch_xla.device())
-  with torch.no_grad():
+  with torch.no_grad(), torch.autocast('xla', dtype=torch.bfloat16, enabled=amp):
     for images, labels in loader:
       hits = (model(images).argmax(dim=1) == labels).sum()
       counts += torch.stack([hits, (labels >= 0).sum()])
@@ -288,7 +294,7 @@ def train(cfg, stop_signal):
     results['epoch_rates'] += [rate] if steps else []
     xm.master_print(f'Epoch {epoch} train end {test_utils.now()}, Reduced GlobalRate={rate:.2f}',
                     flush=True)
-    accuracy, *counts = evaluate(run.model, test_device_loader)
+    accuracy, *counts = evaluate(run.model, test_device_loader, cfg.amp)
     test_loader.check()
     xm.master_print(f'Epoch {epoch} test end {test_utils.now()}, Accuracy={accuracy:.2f}',
                     flush=True)
@@ -334,6 +340,9 @@ def main(argv):
       flag_values[name] = value
   if not FLAGS.fake_data:  # Fake batches need no loader workers.
     flag_values['num_workers'] = utils.usable_workers(FLAGS.num_workers)
+  if FLAGS.amp and (FLAGS.bf16 or os.environ.get('XLA_USE_BF16') == '1'):
+    utils.die('give --amp or --bf16 (XLA_USE_BF16=1), not both: --amp keeps the weights and the '
+              'optimizer in float32, --bf16 makes every float tensor bfloat16')
   if FLAGS.bf16:
     os.environ['XLA_USE_BF16'] = '1'  # Inherited by the spawned replicas.
   try:

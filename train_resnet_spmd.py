@@ -69,6 +69,8 @@ flags.DEFINE_integer('loader_prefetch_size', 8, 'Host batches MpDeviceLoader que
 flags.DEFINE_integer('device_prefetch_size', 4, 'Device batches MpDeviceLoader queues.', lower_bound=1)
 flags.DEFINE_integer('host_to_device_transfer_threads', 1, 'Host-to-device copy threads.', lower_bound=1)
 flags.DEFINE_bool('bf16', False, 'Train in bfloat16: sets XLA_USE_BF16=1 before the runtime starts.')
+flags.DEFINE_bool('amp', False, 'Mixed precision: forward and loss autocast to bfloat16, weights and '
+                  'optimizer in float32 (see the README).')
 flags.DEFINE_float('target_accuracy', 0.0, 'Exit with code 21 if the final accuracy (%) is below it.')
 flags.DEFINE_string('logdir', None, 'TensorBoard folder for loss, rate, lr and accuracy (process 0).')
 flags.DEFINE_bool('metrics_debug', False, "Print torch_xla's metrics report after each epoch.")
@@ -195,7 +197,8 @@ def start_run(cfg, num_classes, steps_per_epoch, stop_signal, mesh):
         step, steps_per_epoch, cfg.lr_warmup_epochs, cfg.lr_scheduler_divide_every_n_epochs,
         cfg.lr_scheduler_divisor))
   writer = SummaryWriter(cfg.logdir) if cfg.logdir and utils.is_master() else None
-  results = utils.new_results(cfg.model, world_size=xr.global_runtime_device_count(), spmd=True)
+  results = utils.new_results(cfg.model, amp=cfg.amp, world_size=xr.global_runtime_device_count(),
+                              spmd=True)
   run = SimpleNamespace(cfg=cfg, model=model, optimizer=optimizer, scheduler=scheduler,
                         stop_signal=stop_signal, stop=MeshStopVote(device, stop_signal, mesh),
                         results=results, epoch=1, step=0, global_step=0)
@@ -207,9 +210,12 @@ def start_run(cfg, num_classes, steps_per_epoch, stop_signal, mesh):
   return run
 
 
-def train_step(model, optimizer, scheduler, images, labels):
+def train_step(model, optimizer, scheduler, images, labels, amp):
   optimizer.zero_grad()
-  loss = F.cross_entropy(model(images), labels)  # The mean over the global batch.
+  # --amp: convolutions and matmuls in bfloat16, weights, optimizer and reductions in float32
+  # (bfloat16 has float32's range: no gradient scaler).
+  with torch.autocast('xla', dtype=torch.bfloat16, enabled=amp):
+    loss = F.cross_entropy(model(images), labels)  # The mean over the global batch.
   loss.backward()
   # Not xm.optimizer_step: the compiler has already summed the gradients over the mesh.
   optimizer.step()
@@ -226,7 +232,8 @@ def train_one_epoch(run, loader, epoch, first_step):
   steps = 0
   for step, batch in enumerate(loader, first_step):
     with xp.StepTrace('train_step', step_num=step):  # Named steps in a profile; ends in a sync.
-      loss = train_step(run.model, run.optimizer, run.scheduler, batch['images'], batch['labels'])
+      loss = train_step(run.model, run.optimizer, run.scheduler, batch['images'], batch['labels'],
+                        cfg.amp)
       tracker.add(cfg.batch_size * run.results['world_size'])
       if step % cfg.log_steps == 0:
         xm.add_step_closure(run.log.add, args=(epoch, step, run.global_step, loss, tracker,
@@ -241,13 +248,13 @@ def train_one_epoch(run, loader, epoch, first_step):
   return steps, False
 
 
-def evaluate(model, loader):
+def evaluate(model, loader, amp):
   """(accuracy %, correct, total) over every image once; padding (label -1) is not counted."""
   model.eval()
   # Counted on the device and read once at the end: an .item() per step would sync. The
   # sums over the sharded batch are over every device of every host.
   counts = torch.zeros(2, dtype=torch.int64, device=torch_xla.device())
-  with torch.no_grad():
+  with torch.no_grad(), torch.autocast('xla', dtype=torch.bfloat16, enabled=amp):
     for batch in loader:
       images, labels = batch['images'], batch['labels']
       hits = (model(images).argmax(dim=1) == labels).sum()
@@ -339,7 +346,7 @@ def train(cfg, stop_signal):
     results['epoch_rates'] += [rate] if steps else []
     xm.master_print(f'Epoch {epoch} train end {test_utils.now()}, Reduced GlobalRate={rate:.2f}',
                     flush=True)
-    accuracy, *counts = evaluate(run.model, test_device_loader)
+    accuracy, *counts = evaluate(run.model, test_device_loader, cfg.amp)
     test_loader.check()
     xm.master_print(f'Epoch {epoch} test end {test_utils.now()}, Accuracy={accuracy:.2f}',
                     flush=True)
@@ -359,6 +366,9 @@ def main(argv):
       setattr(cfg, name, value)
   if not cfg.fake_data:  # Fake batches need no loader workers.
     cfg.num_workers = utils.usable_workers(cfg.num_workers)
+  if cfg.amp and (cfg.bf16 or os.environ.get('XLA_USE_BF16') == '1'):
+    utils.die('give --amp or --bf16 (XLA_USE_BF16=1), not both: --amp keeps the weights and the '
+              'optimizer in float32, --bf16 makes every float tensor bfloat16')
   if cfg.bf16:
     os.environ['XLA_USE_BF16'] = '1'  # Read when the runtime starts, which is still ahead.
   # Before any XLA tensor or device exists: the runtime then makes every device one mesh.

@@ -9,9 +9,11 @@ markdown tables:
      with image folders whose sizes do not divide the batch;
   3. host overhead: the share of the steady-state epoch's wall time not covered by graph
      execution (torch_xla's ExecuteTime), i.e. time the device would wait for the host;
-  4. checkpoints: save and load time and size for resnet50, and how long a resumed run
+  4. precision: float32, --amp and --bf16 side by side (samples/s, host overhead, graphs
+     compiled, checkpoint size);
+  5. checkpoints: save and load time and size for resnet50, and how long a resumed run
      takes to its first new step against a fresh run;
-  5. the input pipeline table of benchmarks/input_pipeline.py.
+  6. the input pipeline table of benchmarks/input_pipeline.py.
 
   python benchmarks/training.py            # about 14 minutes on 2 cores
   python benchmarks/training.py --quick    # a smoke test: tiny runs, same tables
@@ -186,6 +188,22 @@ def runs_to_measure(tmp, quick):
   return runs, wds_args
 
 
+def precision_rows(tmp, quick):
+  """(precision, samples/s, host overhead, graphs compiled, checkpoint MB) of the single-core
+  fake-data run in float32, with --amp and with --bf16, each row when its run ends."""
+  epochs, steps = (2, 3) if quick else (3, 40)
+  for name, extra in (('float32', []), ('--amp', ['--amp']), ('--bf16', ['--bf16'])):
+    say(f'measuring train_single_core.py in {name}')
+    ckpt_dir = tmp / f'precision-{name.strip("-")}'
+    results, _ = run('train_single_core.py', '--fake_data', '--model', FLAGS.bench_model,
+                     '--img_dim', FLAGS.bench_img_dim, '--batch_size', FLAGS.bench_batch_size,
+                     '--test_set_batch_size', FLAGS.bench_batch_size, '--num_epochs', epochs,
+                     '--num_steps', steps, '--log_steps', 10, '--ckpt_dir', ckpt_dir, *extra)
+    rate, busy = (np.mean(results[k][1:]) for k in ('epoch_rates', 'epoch_device_busy'))
+    size = max(ckpt_dir.glob('ckpt-*.pt')).stat().st_size / 1e6
+    yield name, rate, 1 - busy, results['compilations'], size
+
+
 def measure_row(script, data, args):
   """(the training table's row of one run, its seconds from start to the first step)."""
   devices = int(data.split()[-2]) if data.endswith(('device', 'devices')) else None
@@ -259,6 +277,12 @@ def main(argv):
     eager = eager_rate(FLAGS.bench_model, FLAGS.bench_img_dim, FLAGS.bench_batch_size,
                        3 if FLAGS.quick else 20)
     print(f'| eager PyTorch, CPU | fake | {eager:,.1f} | | | |')
+    print()
+    print('| precision (train_single_core.py, fake) | samples/s | host overhead | graphs compiled '
+          '| checkpoint |')
+    print('| --- | --- | --- | --- | --- |', flush=True)
+    for row in precision_rows(tmp, FLAGS.quick):
+      print('| {} | {:,.1f} | {:.1%} | {} | {:,.0f} MB |'.format(*row), flush=True)
     print()
     print('| checkpoint | value |')
     print('| --- | --- |')

@@ -28,6 +28,8 @@ def test_benchmark_prints_its_tables_row_by_row():
   # What the checkpoint measurement prints itself stays out of the tables.
   assert 'Resumed from' not in out and 'Saved checkpoint' not in out, out
   assert re.search(r'^\| eager PyTorch, CPU \| fake \| [\d,.]+ \| \| \| \|$', out, re.M)
+  precisions = re.findall(r'^\| ([\w-]+) \| [\d,.]+ \| [\d.]+% \| \d+ \| [\d,]+ MB \|$', out, re.M)
+  assert precisions == ['float32', '--amp', '--bf16'], out
   assert re.search(r'^\| resnet18 \+ momentum, size \| [\d,]+ MB \|$', out, re.M)  # 50 if not quick
   assert re.search(r'resumed at epoch 2 step 1: start to first new step \| [\d.]+ s \|$', out, re.M)
   decoders = re.findall(r'^\| (\w+) \| [\d.]+ \| [\d,]+ \|$', out, re.M)

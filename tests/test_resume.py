@@ -192,3 +192,22 @@ def test_a_stop_as_an_epoch_ends_saves_once_and_after_the_last_epoch_is_the_end(
   assert 'Stopped by' not in out and re.search(r'^Max Accuracy: 100.00%$', out, re.M), out
   results = read_json(tmp_path / 'r.json')
   assert results['train_steps'] == 6 and 'preempted' not in results, results
+
+
+def test_amp_run_killed_and_resumed_ends_bitwise_equal(tmp_path):
+  # --amp's casts are part of the traced step: a resumed run computes the very same bf16 work.
+  args = ['--fake_data', '--model', 'resnet18', '--img_dim', 16, '--batch_size', 4,
+          '--test_set_batch_size', 4, '--num_epochs', 2, '--num_steps', 4, '--log_steps', 1,
+          '--ckpt_every_steps', 2, '--amp']
+  reference = start_script(SCRIPT, *args, '--ckpt_dir', tmp_path / 'reference')
+  kill_step = seeded_random().randrange(2, 6)
+  code, out = run_and_signal(SCRIPT, args + ['--ckpt_dir', tmp_path / 'ckpt'], kill_step,
+                             signal.SIGKILL)
+  assert code == -signal.SIGKILL, out
+  result = run_script(SCRIPT, *args, '--ckpt_dir', tmp_path / 'ckpt')
+  assert result.returncode == 0, result.stdout + result.stderr
+  assert re.search(r'^Resumed from \S+ at epoch \d step \d$', result.stdout, re.M), result.stdout
+  code, reference_out = finish(reference)
+  assert code == 0, reference_out
+  assert_same_losses(result.stdout, reference_out)
+  assert_same_training(tmp_path / 'ckpt', tmp_path / 'reference')

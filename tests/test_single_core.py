@@ -4,6 +4,7 @@
 import re
 
 import pytest
+import torch
 
 from conftest import (assert_one_error, losses, make_image_folder, read_json,
                       readme_command_flags, run_script, script_env, tensorboard_scalars,
@@ -57,7 +58,29 @@ def test_bf16_flag_trains_in_bf16(tmp_path):
   assert len(trace) == 12 and trace[-1] < trace[0] / 2
 
 
-def test_learns_counts_every_val_image_once_and_compiles_only_in_epoch_1(tmp_path, colour_folder):
+def test_amp_convolves_in_bf16_and_keeps_weights_and_momentum_in_f32(tmp_path):
+  # torch.autocast('xla', bfloat16): the convolutions (forward and backward) in bf16, the
+  # weights, their gradients' update and the optimizer state in f32.
+  env = script_env(XLA_SAVE_TENSORS_FILE=str(tmp_path / 'graphs'), XLA_SAVE_TENSORS_FMT='hlo')
+  flags = ['--fake_data', '--model', 'resnet18', '--img_dim', 32, '--batch_size', 16,
+           '--test_set_batch_size', 16, '--num_epochs', 1, '--num_steps', 12, '--log_steps', 1,
+           '--amp', '--ckpt_dir', tmp_path / 'ckpt', '--results_json', tmp_path / 'r.json']
+  result = run_script(SCRIPT, *flags, env=env)
+  assert result.returncode == 0, result.stderr
+  assert convolution_types(tmp_path) == {'bf16'}
+  results = read_json(tmp_path / 'r.json')
+  assert results['amp'] and not results['bf16']
+  state = torch.load(tmp_path / 'ckpt' / 'ckpt-00000012.pt', weights_only=True)
+  floats = [t for t in state['model'].values() if t.is_floating_point()] + [
+      s['momentum_buffer'] for s in state['optimizer']['state'].values()]
+  assert floats and {t.dtype for t in floats} == {torch.float32}
+  trace = losses(result.stdout)
+  assert len(trace) == 12 and trace[-1] < trace[0] / 2
+
+
+@pytest.mark.parametrize('precision', [[], ['--amp']], ids=['float32', 'amp'])
+def test_learns_counts_every_val_image_once_and_compiles_only_in_epoch_1(tmp_path, colour_folder,
+                                                                         precision):
   # 21 val images with --test_set_batch_size 4: five full batches and one of a single image.
   # One of them is a red image filed under green, which a model that learned the colours
   # gets wrong: the exact accuracy is 20/21, and any padding or dropped image changes it.
@@ -66,7 +89,8 @@ def test_learns_counts_every_val_image_once_and_compiles_only_in_epoch_1(tmp_pat
   result = run_script(SCRIPT, '--datadir', colour_folder, '--model', 'resnet18', '--img_dim', 32,
                       '--batch_size', 16, '--test_set_batch_size', 4, '--num_epochs', 3,
                       '--lr', 0.05, '--num_workers', 2, '--log_steps', 5,
-                      '--target_accuracy', 99, '--results_json', tmp_path / 'r.json')
+                      '--target_accuracy', 99, '--results_json', tmp_path / 'r.json',
+                      *precision)
   # Below --target_accuracy 99: upstream's exit code.
   assert result.returncode == 21, result.stdout[-3000:] + result.stderr
   assert 'is below target' in result.stdout
