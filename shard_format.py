@@ -213,7 +213,7 @@ class WholeTar:
     data = self.stream.read(size)
     self.head = self.head or data[:6]
     self.size += len(data)
-    self.tail = (self.tail + data)[-tarfile.BLOCKSIZE:]
+    self.tail = (self.tail + data[-tarfile.BLOCKSIZE:])[-tarfile.BLOCKSIZE:]  # 1 KB, not the read
     return data
 
   def cut_short(self):

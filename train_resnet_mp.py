@@ -12,7 +12,6 @@ replica finishes the same step, the master saves, exit code 75 (130).
       --batch_size 16 --num_epochs 2 --num_steps 40 --log_steps 10
 """
 
-import os
 import sys
 import time
 from types import SimpleNamespace
@@ -340,11 +339,7 @@ def main(argv):
       flag_values[name] = value
   if not FLAGS.fake_data:  # Fake batches need no loader workers.
     flag_values['num_workers'] = utils.usable_workers(FLAGS.num_workers)
-  if FLAGS.amp and (FLAGS.bf16 or os.environ.get('XLA_USE_BF16') == '1'):
-    utils.die('give --amp or --bf16 (XLA_USE_BF16=1), not both: --amp keeps the weights and the '
-              'optimizer in float32, --bf16 makes every float tensor bfloat16')
-  if FLAGS.bf16:
-    os.environ['XLA_USE_BF16'] = '1'  # Inherited by the spawned replicas.
+  utils.set_precision(FLAGS.amp, FLAGS.bf16)  # Before the runtime starts.
   try:
     check_job(SimpleNamespace(**flag_values))
     utils.check_outputs(FLAGS.ckpt_dir, FLAGS.logdir, FLAGS.results_json)

@@ -16,7 +16,6 @@ exit code 75 (130).
       --batch_size 16 --num_epochs 2 --num_steps 40 --log_steps 10
 """
 
-import os
 import sys
 import time
 from types import SimpleNamespace
@@ -366,11 +365,7 @@ def main(argv):
       setattr(cfg, name, value)
   if not cfg.fake_data:  # Fake batches need no loader workers.
     cfg.num_workers = utils.usable_workers(cfg.num_workers)
-  if cfg.amp and (cfg.bf16 or os.environ.get('XLA_USE_BF16') == '1'):
-    utils.die('give --amp or --bf16 (XLA_USE_BF16=1), not both: --amp keeps the weights and the '
-              'optimizer in float32, --bf16 makes every float tensor bfloat16')
-  if cfg.bf16:
-    os.environ['XLA_USE_BF16'] = '1'  # Read when the runtime starts, which is still ahead.
+  utils.set_precision(cfg.amp, cfg.bf16)  # Before the runtime starts.
   # Before any XLA tensor or device exists: the runtime then makes every device one mesh.
   xr.use_spmd()
   # SIGTERM and Ctrl-C stop after a step (on every host: see StopVote); a second Ctrl-C ends

@@ -11,7 +11,6 @@ the same command started again goes on exactly where the last one stopped. SIGTE
       --batch_size 16 --num_epochs 1 --num_steps 40 --log_steps 10
 """
 
-import os
 import sys
 import time
 from types import SimpleNamespace
@@ -305,11 +304,7 @@ def train(cfg, stop_signal):
 
 def main(argv):
   del argv
-  if FLAGS.amp and (FLAGS.bf16 or os.environ.get('XLA_USE_BF16') == '1'):
-    utils.die('give --amp or --bf16 (XLA_USE_BF16=1), not both: --amp keeps the weights and the '
-              'optimizer in float32, --bf16 makes every float tensor bfloat16')
-  if FLAGS.bf16:
-    os.environ['XLA_USE_BF16'] = '1'  # Read when the runtime starts, which is still ahead.
+  utils.set_precision(FLAGS.amp, FLAGS.bf16)  # Before the runtime starts.
   cfg = SimpleNamespace(**FLAGS.flag_values_dict())
   if not cfg.fake_data:  # Fake batches need no loader workers.
     cfg.num_workers = utils.usable_workers(cfg.num_workers)

@@ -18,7 +18,6 @@ SIGTERM (Ctrl-C): every replica finishes the same step, the master saves, exit c
 """
 
 import itertools
-import os
 import random
 import sys
 import time
@@ -461,11 +460,7 @@ def main(argv):
   del argv
   flag_values = FLAGS.flag_values_dict()
   flag_values['num_workers'] = utils.usable_workers(FLAGS.num_workers)
-  if FLAGS.amp and (FLAGS.bf16 or os.environ.get('XLA_USE_BF16') == '1'):
-    utils.die('give --amp or --bf16 (XLA_USE_BF16=1), not both: --amp keeps the weights and the '
-              'optimizer in float32, --bf16 makes every float tensor bfloat16')
-  if FLAGS.bf16:
-    os.environ['XLA_USE_BF16'] = '1'  # Inherited by the spawned replicas.
+  utils.set_precision(FLAGS.amp, FLAGS.bf16)  # Before the runtime starts.
   # Check the inputs here, once, before any replica starts: bad input is one line, not N.
   try:
     shard_format.check_shards('wds_traindir', FLAGS.wds_traindir, FLAGS.fail_on_bad_data)

@@ -68,8 +68,7 @@ def parse_flags(argv, elsewhere=None):
 
 
 def redefinable(flag_values):
-  """Lets these flags be defined again: a notebook may import several scripts, which define
-  the same names, or `%run` one twice."""
+  """Lets these flags be defined again (a notebook importing several scripts, %run twice)."""
   for name in flag_values:
     flag_values[name].allow_override = True
 
@@ -77,6 +76,16 @@ def redefinable(flag_values):
 def in_notebook():
   """Whether this process is an IPython kernel or shell (`%run script.py` in a notebook)."""
   return 'IPython' in sys.modules and sys.modules['IPython'].get_ipython() is not None
+
+
+def set_precision(amp, bf16):
+  """--amp or --bf16, not both; --bf16 sets XLA_USE_BF16=1, which the runtime reads when it
+  starts and spawned replicas inherit."""
+  if amp and (bf16 or os.environ.get('XLA_USE_BF16') == '1'):
+    die('give --amp or --bf16 (XLA_USE_BF16=1), not both: --amp keeps the weights and the '
+        'optimizer in float32, --bf16 makes every float tensor bfloat16')
+  if bf16:
+    os.environ['XLA_USE_BF16'] = '1'
 
 
 def create_model(name, num_classes):

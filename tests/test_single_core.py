@@ -161,6 +161,8 @@ BAD_INPUTS = {
     'zero steps': (lambda tmp: ['--fake_data', '--num_steps', 0],
                    r'--num_steps=0: 0 is not a positive integer'),
     'stray argument': (lambda tmp: ['--fake_data', 'resnet18'], r"unexpected arguments \['resnet18'\]"),
+    'amp and bf16': (lambda tmp: ['--fake_data', '--amp', '--bf16'],
+                     r'give --amp or --bf16 \(XLA_USE_BF16=1\), not both'),
     'unwritable logdir': (lambda tmp: ['--fake_data', '--logdir', _a_file(tmp) / 'tb'],
                           r'cannot write to --logdir \S+/a_file/tb \(\w+Error'),
     'unwritable results_json': (lambda tmp: ['--fake_data', '--results_json',
