@@ -29,7 +29,8 @@ def test_quickstart_notebook_runs_all_cells_and_draws_the_curves(tmp_path):
   client.execute(env=env)  # Raises CellExecutionError, with the cell's output, on an error.
 
   code = [cell for cell in notebook.cells if cell.cell_type == 'code']
-  text = ['\n'.join(o.get('text', '') for o in cell.outputs if o.output_type == 'stream')
+  # A stream comes in chunks as the run wrote them, not in lines.
+  text = [''.join(o.get('text', '') for o in cell.outputs if o.output_type == 'stream')
           for cell in code]
   assert 'nothing to install' in text[0], text[0]
   assert re.search(r'^\| Training Device=xla:0/0 Epoch=1 Step=5 ', text[1], re.M), text[1]
