@@ -1,12 +1,13 @@
 # SPDX-License-Identifier: BSD-3-Clause
-"""Runs one command on every worker of a Cloud TPU pod slice (or of any hosts over ssh),
+r"""Runs one command on every worker of a Cloud TPU pod slice (or of any hosts over ssh),
 prints every worker's lines under its name, and stops the command everywhere on Ctrl-C,
 SIGTERM or a failing worker: what xla_dist did before it was removed
 with XRT, for today's TPU VMs.
 
-  python launch_pod.py --tpu NAME --zone ZONE --env PJRT_DEVICE=TPU -- \
+  python3 launch_pod.py --tpu NAME --zone ZONE --workdir refs --env PJRT_DEVICE=TPU -- \
       .venv/bin/python train_resnet_mp.py --datadir /data/imagenet --bf16
-  python launch_pod.py --hosts 10.0.0.2,10.0.0.3 -- .venv/bin/python train_resnet_spmd.py --fake_data
+  python3 launch_pod.py --hosts 10.0.0.2,10.0.0.3 --workdir refs -- \
+      .venv/bin/python train_resnet_spmd.py --fake_data
 
 The command (the words after --, run as they are, without a shell) runs in --workdir on every
 worker (by default the path of the folder the launcher runs in: the code must be there on
@@ -18,10 +19,11 @@ maintenance, preemption) or a lost worker (255) starts the command again everywh
 N times, once every worker answers again. Only Python and absl-py are needed where the
 launcher runs, plus gcloud for --tpu.
 
-Exit codes (with --restarts, the last start's): 0 done on every worker; 75 stopped (Ctrl-C, SIGTERM or a preempted worker) and
-every worker saved: run the same command to go on; 130 Ctrl-C during a stop, killed at once;
-2 a bad flag, or a TPU that cannot be described; any other: the code of the first worker
-that failed (255: ssh could not reach it or lost it), which the launcher names.
+Exit codes (with --restarts, the last start's): 0 done on every worker; 75 stopped (Ctrl-C,
+SIGTERM or a preempted worker) and every worker saved: run the same command to go on; 130
+Ctrl-C during a stop, killed at once; 2 a bad flag, absl-py missing, or a TPU that cannot be
+described; any other: the code of the first worker that failed (255: ssh could not reach it
+or lost it), which the launcher names.
 """
 
 import base64
@@ -37,7 +39,13 @@ import sys
 import threading
 import time
 
-from absl import app, flags
+try:
+  from absl import app, flags
+except ImportError:  # Run by a Python other than the project's venv, say.
+  print(f'error: launch_pod.py needs absl-py, which {sys.executable} does not have: run '
+        f'{sys.executable} -m pip install absl-py, or run it with the venv\'s python',
+        file=sys.stderr)
+  sys.exit(2)
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string('tpu', None, 'Cloud TPU VM name: its workers (from gcloud describe) run the command.')
@@ -588,6 +596,8 @@ def main(argv):
 def parse_flags(argv):
   try:
     return FLAGS(argv)
+  except SystemExit:  # absl's --help, --helpshort and --helpfull print, then exit 1.
+    sys.exit(0)
   except flags.Error as e:
     print(f'error: {e} (see --helpshort)', file=sys.stderr, flush=True)
     sys.exit(2)

@@ -97,7 +97,8 @@ def _info(url):
 
 def check_shards(flag, pattern, strict):
   """A UsageError if no shard of the pattern exists (pipe: commands are not checked), or if
-  some do not and strict; else a warning line naming those that will be skipped."""
+  some do not and strict; else a warning line naming those that will be skipped. Returns the
+  number of shards the pattern names."""
   urls = list(braceexpand.braceexpand(pattern))
   missing = [url for url in urls if not url.startswith('pipe:') and shard_missing(url)]
   if len(missing) == len(urls):
@@ -111,6 +112,7 @@ def check_shards(flag, pattern, strict):
   first = next((url for url in urls if url not in missing and not url.startswith('pipe:')), None)
   if first:
     check_format(flag, first)
+  return len(urls)
 
 
 def check_format(flag, url):

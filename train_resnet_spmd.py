@@ -163,8 +163,8 @@ class MeshStopVote(utils.StopVote):
   """utils.StopVote over the mesh: each host's flag on each of its devices, in one global
   tensor that the step's program sums."""
 
-  def __init__(self, device, stop_signal, mesh):
-    super().__init__(device, stop_signal)
+  def __init__(self, device, stop_signal, lr, mesh):
+    super().__init__(device, stop_signal, lr)
     local = torch.ones(xr.addressable_runtime_device_count())
     spec = xs.ShardingSpec(mesh, ('data',), minibatch=True)
     self.flags = tuple(xm.send_cpu_data_to_device(local * flag, device, spec)[0] for flag in (0, 1))
@@ -172,6 +172,9 @@ class MeshStopVote(utils.StopVote):
 
   def sum(self, flag):
     return torch.sum(flag)
+
+  def tally(self, flag, loss):  # The loss is the global batch's already.
+    return torch.cat([self.sum(flag).view(1), self.not_finite(loss)])
 
   def agree(self, pending):
     return self.sum(self.flags[pending]).item() > 0
@@ -199,8 +202,10 @@ def start_run(cfg, num_classes, steps_per_epoch, stop_signal, mesh):
   results = utils.new_results(cfg.model, amp=cfg.amp, world_size=xr.global_runtime_device_count(),
                               spmd=True)
   run = SimpleNamespace(cfg=cfg, model=model, optimizer=optimizer, scheduler=scheduler,
-                        stop_signal=stop_signal, stop=MeshStopVote(device, stop_signal, mesh),
-                        results=results, epoch=1, step=0, global_step=0)
+                        stop_signal=stop_signal,
+                        stop=MeshStopVote(device, stop_signal, cfg.lr, mesh),
+                        results=results, num_classes=num_classes, epoch=1, step=0,
+                        global_step=0)
   state = checkpoints.resume(cfg.resume, cfg.ckpt_dir, (model, optimizer, scheduler),
                              vars(cfg), RESTART_FLAGS, run.results['world_size'])
   if state is not None:
@@ -237,7 +242,8 @@ def train_one_epoch(run, loader, epoch, first_step):
       if step % cfg.log_steps == 0:
         xm.add_step_closure(run.log.add, args=(epoch, step, run.global_step, loss, tracker,
                                                run.optimizer.param_groups[0]['lr']))
-      stopping = run.stop.agreed_after_step()  # The same answer on every host.
+      # The same answer on every host (and the end of the run on a NaN loss).
+      stopping = run.stop.agreed_after_step(loss, f'epoch {epoch} step {step}')
     steps += 1
     run.global_step += 1
     if stopping:
@@ -267,6 +273,7 @@ def save_checkpoint(run, epoch, step, best=False):
   host calls it at the same step; process 0 writes."""
   torch_xla.sync()  # Runs the step's log closure, ...
   run.log.flush()  # ... and waits for it: the history saved is whole.
+  run.stop.check_losses()  # Nothing NaN is saved.
   state = dict(model=run.model.state_dict(), optimizer=run.optimizer.state_dict(),
                lr_scheduler=run.scheduler.state_dict() if run.scheduler else None, epoch=epoch,
                step=step, global_step=run.global_step, flags=vars(run.cfg),
@@ -296,6 +303,8 @@ def end_epoch(run, epoch, accuracy, counts):
                  eval_samples=counts[1], max_accuracy=max(results['max_accuracy'], accuracy))
   results['compilations_after_epoch'].append(utils.compile_count())
   test_utils.write_to_summary(run.log.writer, epoch, {'Accuracy/test': accuracy})
+  default_lr = MODEL_DEFAULTS.get(run.cfg.model, DEFAULTS)['lr']
+  utils.check_learning(results['history'], epoch, run.num_classes, run.cfg.lr, default_lr)
   if run.cfg.metrics_debug:
     xm.master_print(met.metrics_report(), flush=True)
   saved = save_checkpoint(run, epoch + 1, 0, best=best) if run.cfg.ckpt_dir else None
@@ -323,35 +332,37 @@ def train(cfg, stop_signal):
                   input_sharding=sharding)
   train_device_loader = pl.MpDeviceLoader(train_loader, device, **prefetch)
   test_device_loader = pl.MpDeviceLoader(test_loader, device, **prefetch)
-  xm.master_print(f'Mesh of {devices} devices; compiling the first step ...', flush=True)
-  for epoch in range(run.epoch, cfg.num_epochs + 1):
-    first_step = run.step if epoch == run.epoch else 0
-    train_loader.set_epoch(epoch, first_step)  # Skips, on the host, what a resumed run trained.
-    xm.master_print(f'Epoch {epoch} train begin {test_utils.now()}', flush=True)
-    start, executed = time.time(), utils.execute_seconds()
-    steps, stopped = train_one_epoch(run, train_device_loader, epoch, first_step)
-    train_loader.check()
-    xm.wait_device_ops()  # Time the device work, not just the tracing.
-    run.log.flush()  # Its lines before the epoch's.
-    seconds = time.time() - start
-    results['train_seconds'] += seconds
-    if stopped:
-      return stop_run(run, epoch, first_step + steps)
-    if steps:
-      results['epoch_device_busy'].append((utils.execute_seconds() - executed) / seconds)
-    print(f'Epoch {epoch} Host Train Samples={steps * cfg.batch_size * local_devices} '
-          f'Devices={local_devices} of {devices} Host={host}', flush=True)
-    rate = steps * cfg.batch_size * devices / seconds  # Every host runs every step.
-    results['epoch_rates'] += [rate] if steps else []
-    xm.master_print(f'Epoch {epoch} train end {test_utils.now()}, Reduced GlobalRate={rate:.2f}',
-                    flush=True)
-    accuracy, *counts = evaluate(run.model, test_device_loader, cfg.amp)
-    test_loader.check()
-    xm.master_print(f'Epoch {epoch} test end {test_utils.now()}, Accuracy={accuracy:.2f}',
-                    flush=True)
-    stop, saved = end_epoch(run, epoch, accuracy, counts)
-    if stop:
-      return stop_run(run, epoch + 1, 0, saved)
+  if run.epoch <= cfg.num_epochs:  # Else: 'Run already finished'.
+    xm.master_print(f'Mesh of {devices} devices; compiling the first step ...', flush=True)
+  with utils.ends_on_nan(results):  # A NaN loss ends the run, nothing saved after it.
+    for epoch in range(run.epoch, cfg.num_epochs + 1):
+      first_step = run.step if epoch == run.epoch else 0
+      train_loader.set_epoch(epoch, first_step)  # Skips, on the host, what a resumed run trained.
+      xm.master_print(f'Epoch {epoch} train begin {test_utils.now()}', flush=True)
+      start, executed = time.time(), utils.execute_seconds()
+      steps, stopped = train_one_epoch(run, train_device_loader, epoch, first_step)
+      train_loader.check()
+      xm.wait_device_ops()  # Time the device work, not just the tracing.
+      run.log.flush()  # Its lines before the epoch's.
+      seconds = time.time() - start
+      results['train_seconds'] += seconds
+      if stopped:
+        return stop_run(run, epoch, first_step + steps)
+      if steps:
+        results['epoch_device_busy'].append((utils.execute_seconds() - executed) / seconds)
+      print(f'Epoch {epoch} Host Train Samples={steps * cfg.batch_size * local_devices} '
+            f'Devices={local_devices} of {devices} Host={host}', flush=True)
+      rate = steps * cfg.batch_size * devices / seconds  # Every host runs every step.
+      results['epoch_rates'] += [rate] if steps else []
+      xm.master_print(f'Epoch {epoch} train end {test_utils.now()}, Reduced GlobalRate={rate:.2f}',
+                      flush=True)
+      accuracy, *counts = evaluate(run.model, test_device_loader, cfg.amp)
+      test_loader.check()
+      xm.master_print(f'Epoch {epoch} test end {test_utils.now()}, Accuracy={accuracy:.2f}',
+                      flush=True)
+      stop, saved = end_epoch(run, epoch, accuracy, counts)
+      if stop:
+        return stop_run(run, epoch + 1, 0, saved)
   del profiler
   return utils.finish_results(results, run.global_step, cfg.batch_size * devices,
                               run.log.writer)
@@ -364,7 +375,7 @@ def main(argv):
     if getattr(cfg, name) is None:
       setattr(cfg, name, value)
   if not cfg.fake_data:  # Fake batches need no loader workers.
-    cfg.num_workers = utils.usable_workers(cfg.num_workers)
+    cfg.num_workers = utils.usable_workers(cfg.num_workers, FLAGS['num_workers'].present)
   utils.set_precision(cfg.amp, cfg.bf16)  # Before the runtime starts.
   # Before any XLA tensor or device exists: the runtime then makes every device one mesh.
   xr.use_spmd()

@@ -155,8 +155,9 @@ def start_run(cfg, num_classes, steps_per_epoch, stop_signal):
         cfg.lr_scheduler_divisor))
   writer = SummaryWriter(cfg.logdir) if cfg.logdir else None
   run = SimpleNamespace(cfg=cfg, model=model, optimizer=optimizer, scheduler=scheduler,
-                        stop_signal=stop_signal, results=utils.new_results(cfg.model, amp=cfg.amp),
-                        epoch=1, step=0, global_step=0)
+                        stop=utils.StopVote(device, stop_signal, cfg.lr), stop_signal=stop_signal,
+                        results=utils.new_results(cfg.model, amp=cfg.amp),
+                        num_classes=num_classes, epoch=1, step=0, global_step=0)
   state = checkpoints.resume(cfg.resume, cfg.ckpt_dir, (model, optimizer, scheduler),
                              vars(cfg), RESTART_FLAGS, run.results['world_size'])
   if state is not None:
@@ -191,7 +192,7 @@ def train_one_epoch(run, loader, epoch, first_step):
       if step % cfg.log_steps == 0:
         xm.add_step_closure(run.log.add, args=(epoch, step, run.global_step, loss, tracker,
                                                run.optimizer.param_groups[0]['lr']))
-      stopping = run.stop_signal() != 0
+      stopping = run.stop.agreed_after_step(loss, f'epoch {epoch} step {step}')
     steps += 1
     run.global_step += 1
     if stopping:
@@ -218,6 +219,7 @@ def save_checkpoint(run, epoch, step, best=False):
   """Saves the whole training state after `step` steps of `epoch`; returns its path."""
   torch_xla.sync()  # Runs the step's log closure, ...
   run.log.flush()  # ... and waits for it: the history saved is whole.
+  run.stop.check_losses()  # Nothing NaN is saved.
   state = dict(model=run.model.state_dict(), optimizer=run.optimizer.state_dict(),
                lr_scheduler=run.scheduler.state_dict() if run.scheduler else None, epoch=epoch,
                step=step, global_step=run.global_step, flags=vars(run.cfg),
@@ -247,11 +249,13 @@ def end_epoch(run, epoch, accuracy, counts):
                  eval_samples=counts[1], max_accuracy=max(results['max_accuracy'], accuracy))
   results['compilations_after_epoch'].append(utils.compile_count())
   test_utils.write_to_summary(run.log.writer, epoch, {'Accuracy/test': accuracy})
+  utils.check_learning(results['history'], epoch, run.num_classes, run.cfg.lr,
+                       FLAGS['lr'].default)
   if run.cfg.metrics_debug:
     xm.master_print(met.metrics_report(), flush=True)
   saved = save_checkpoint(run, epoch + 1, 0, best=best) if run.cfg.ckpt_dir else None
   # After the last epoch a stop has nothing left to stop: the run ends as done.
-  return epoch < run.cfg.num_epochs and run.stop_signal() != 0, saved
+  return epoch < run.cfg.num_epochs and run.stop.agreed_at_epoch_end(), saved
 
 
 def train(cfg, stop_signal):
@@ -268,35 +272,37 @@ def train(cfg, stop_signal):
                   host_to_device_transfer_threads=cfg.host_to_device_transfer_threads)
   train_device_loader = pl.MpDeviceLoader(train_loader, device, **prefetch)
   test_device_loader = pl.MpDeviceLoader(test_loader, device, **prefetch)
-  xm.master_print(f'Device {device}; compiling the first step ...', flush=True)
-  for epoch in range(run.epoch, cfg.num_epochs + 1):
-    first_step = run.step if epoch == run.epoch else 0
-    train_loader.set_epoch(epoch, first_step)  # Skips, on the host, what a resumed run trained.
-    xm.master_print(f'Epoch {epoch} train begin {test_utils.now()}', flush=True)
-    start, executed = time.time(), utils.execute_seconds()
-    steps, stopped = train_one_epoch(run, train_device_loader, epoch, first_step)
-    train_loader.check()
-    xm.wait_device_ops()  # Time the device work, not just the tracing.
-    run.log.flush()  # Its lines before the epoch's.
-    seconds = time.time() - start
-    results['train_seconds'] += seconds
-    if stopped:
-      return stop_run(run, epoch, first_step + steps)
-    if steps:
-      results['epoch_device_busy'].append((utils.execute_seconds() - executed) / seconds)
-    print(f'Epoch {epoch} Replica Train Samples={steps * cfg.batch_size} Device={device}/{rank}',
-          flush=True)
-    rate = steps * cfg.batch_size / seconds
-    results['epoch_rates'] += [rate] if steps else []
-    xm.master_print(f'Epoch {epoch} train end {test_utils.now()}, Reduced GlobalRate={rate:.2f}',
-                    flush=True)
-    accuracy, *counts = evaluate(run.model, test_device_loader, cfg.amp)
-    test_loader.check()
-    xm.master_print(f'Epoch {epoch} test end {test_utils.now()}, Accuracy={accuracy:.2f}',
-                    flush=True)
-    stop, saved = end_epoch(run, epoch, accuracy, counts)
-    if stop:
-      return stop_run(run, epoch + 1, 0, saved)
+  if run.epoch <= cfg.num_epochs:  # Else: 'Run already finished'.
+    xm.master_print(f'Device {device}; compiling the first step ...', flush=True)
+  with utils.ends_on_nan(results):  # A NaN loss ends the run, nothing saved after it.
+    for epoch in range(run.epoch, cfg.num_epochs + 1):
+      first_step = run.step if epoch == run.epoch else 0
+      train_loader.set_epoch(epoch, first_step)  # Skips, on the host, what a resumed run trained.
+      xm.master_print(f'Epoch {epoch} train begin {test_utils.now()}', flush=True)
+      start, executed = time.time(), utils.execute_seconds()
+      steps, stopped = train_one_epoch(run, train_device_loader, epoch, first_step)
+      train_loader.check()
+      xm.wait_device_ops()  # Time the device work, not just the tracing.
+      run.log.flush()  # Its lines before the epoch's.
+      seconds = time.time() - start
+      results['train_seconds'] += seconds
+      if stopped:
+        return stop_run(run, epoch, first_step + steps)
+      if steps:
+        results['epoch_device_busy'].append((utils.execute_seconds() - executed) / seconds)
+      print(f'Epoch {epoch} Replica Train Samples={steps * cfg.batch_size} Device={device}/{rank}',
+            flush=True)
+      rate = steps * cfg.batch_size / seconds
+      results['epoch_rates'] += [rate] if steps else []
+      xm.master_print(f'Epoch {epoch} train end {test_utils.now()}, Reduced GlobalRate={rate:.2f}',
+                      flush=True)
+      accuracy, *counts = evaluate(run.model, test_device_loader, cfg.amp)
+      test_loader.check()
+      xm.master_print(f'Epoch {epoch} test end {test_utils.now()}, Accuracy={accuracy:.2f}',
+                      flush=True)
+      stop, saved = end_epoch(run, epoch, accuracy, counts)
+      if stop:
+        return stop_run(run, epoch + 1, 0, saved)
   del profiler
   return utils.finish_results(results, run.global_step, cfg.batch_size * world_size,
                               run.log.writer)
@@ -307,7 +313,7 @@ def main(argv):
   utils.set_precision(FLAGS.amp, FLAGS.bf16)  # Before the runtime starts.
   cfg = SimpleNamespace(**FLAGS.flag_values_dict())
   if not cfg.fake_data:  # Fake batches need no loader workers.
-    cfg.num_workers = utils.usable_workers(cfg.num_workers)
+    cfg.num_workers = utils.usable_workers(cfg.num_workers, FLAGS['num_workers'].present)
   # SIGTERM and Ctrl-C stop after a step; a second Ctrl-C ends the run at once.
   with supervision.run_watched(launcher=False, saving=bool(FLAGS.ckpt_dir)):
     try:

@@ -281,8 +281,9 @@ def start_run(cfg, steps_per_epoch, stop_signal):
   writer = SummaryWriter(cfg.logdir) if cfg.logdir and xm.is_master_ordinal() else None
   results = utils.new_results(cfg.model, amp=cfg.amp, skipped_bad_data=0, repeated_samples=0)
   run = SimpleNamespace(cfg=cfg, model=model, optimizer=optimizer, scheduler=scheduler,
-                        stop=utils.StopVote(device, stop_signal), stop_signal=stop_signal,
-                        results=results, epoch=1, step=0, global_step=0)
+                        stop=utils.StopVote(device, stop_signal, cfg.lr), stop_signal=stop_signal,
+                        results=results, num_classes=cfg.num_classes, epoch=1, step=0,
+                        global_step=0)
   state = checkpoints.resume(cfg.resume, cfg.ckpt_dir, (model, optimizer, scheduler),
                              vars(cfg), RESTART_FLAGS, run.results['world_size'])
   if state is not None:
@@ -317,7 +318,8 @@ def train_one_epoch(run, loader, epoch, first_step):
       if step % cfg.log_steps == 0:
         xm.add_step_closure(run.log.add, args=(epoch, step, run.global_step, loss, tracker,
                                                run.optimizer.param_groups[0]['lr']))
-      stopping = run.stop.agreed_after_step()  # The same answer on every replica.
+      # The same answer on every replica (and the end of the run on a NaN loss).
+      stopping = run.stop.agreed_after_step(loss, f'epoch {epoch} step {step}')
     steps += 1
     run.global_step += 1
     if stopping:
@@ -346,6 +348,7 @@ def save_checkpoint(run, epoch, step, best=False):
   replica calls it at the same step; the master writes."""
   torch_xla.sync()  # Runs the step's log closure, ...
   run.log.flush()  # ... and waits for it: the history saved is whole.
+  run.stop.check_losses()  # Nothing NaN is saved.
   state = dict(model=run.model.state_dict(), optimizer=run.optimizer.state_dict(),
                lr_scheduler=run.scheduler.state_dict() if run.scheduler else None, epoch=epoch,
                step=step, global_step=run.global_step, flags=vars(run.cfg),
@@ -375,6 +378,8 @@ def end_epoch(run, epoch, accuracy, counts):
                  eval_samples=counts[1], max_accuracy=max(results['max_accuracy'], accuracy))
   results['compilations_after_epoch'].append(utils.compile_count())
   test_utils.write_to_summary(run.log.writer, epoch, {'Accuracy/test': accuracy})
+  utils.check_learning(results['history'], epoch, run.num_classes, run.cfg.lr,
+                       FLAGS['lr'].default)
   if run.cfg.metrics_debug:
     xm.master_print(met.metrics_report(), flush=True)
   saved = save_checkpoint(run, epoch + 1, 0, best=best) if run.cfg.ckpt_dir else None
@@ -396,38 +401,40 @@ def train(cfg, stop_signal):
                   host_to_device_transfer_threads=cfg.host_to_device_transfer_threads)
   train_device_loader = pl.MpDeviceLoader(train_loader, device, **prefetch)
   test_device_loader = pl.MpDeviceLoader(test_loader, device, **prefetch)
-  xm.master_print(f'Replicas started: {world_size}; compiling the first step ...', flush=True)
-  for epoch in range(run.epoch, cfg.num_epochs + 1):
-    first_step = run.step if epoch == run.epoch else 0
-    # Shard order, shuffle and crops: a function of (seed, epoch); a resumed run reads the
-    # batches it has trained without using them.
-    train_loader.set_epoch(epoch, first_step)
-    xm.master_print(f'Epoch {epoch} train begin {test_utils.now()}', flush=True)
-    start, executed = time.time(), utils.execute_seconds()
-    steps, stopped = train_one_epoch(run, train_device_loader, epoch, first_step)
-    train_loader.check()
-    xm.wait_device_ops()  # Time the device work, not just the tracing.
-    run.log.flush()  # Its lines before the epoch's.
-    seconds = time.time() - start
-    results['train_seconds'] += seconds
-    count_data(results, train_loader.order.read_counts(), epoch, rank)
-    if stopped:
-      return stop_run(run, epoch, first_step + steps)
-    if steps:
-      results['epoch_device_busy'].append((utils.execute_seconds() - executed) / seconds)
-    print(f'Epoch {epoch} Replica Train Samples={steps * cfg.batch_size} Device={device}/{rank}',
-          flush=True)
-    rate = xm.mesh_reduce('epoch_rate', steps * cfg.batch_size / seconds, sum)
-    results['epoch_rates'] += [rate] if steps else []
-    xm.master_print(f'Epoch {epoch} train end {test_utils.now()}, Reduced GlobalRate={rate:.2f}',
-                    flush=True)
-    accuracy, *counts = evaluate(run.model, test_device_loader, cfg.amp)
-    test_loader.check()
-    xm.master_print(f'Epoch {epoch} test end {test_utils.now()}, Accuracy={accuracy:.2f}',
-                    flush=True)
-    stop, saved = end_epoch(run, epoch, accuracy, counts)
-    if stop:
-      return stop_run(run, epoch + 1, 0, saved)
+  if run.epoch <= cfg.num_epochs:  # Else: 'Run already finished'.
+    xm.master_print(f'Replicas started: {world_size}; compiling the first step ...', flush=True)
+  with utils.ends_on_nan(results):  # A NaN loss ends the run, nothing saved after it.
+    for epoch in range(run.epoch, cfg.num_epochs + 1):
+      first_step = run.step if epoch == run.epoch else 0
+      # Shard order, shuffle and crops: a function of (seed, epoch); a resumed run reads the
+      # batches it has trained without using them.
+      train_loader.set_epoch(epoch, first_step)
+      xm.master_print(f'Epoch {epoch} train begin {test_utils.now()}', flush=True)
+      start, executed = time.time(), utils.execute_seconds()
+      steps, stopped = train_one_epoch(run, train_device_loader, epoch, first_step)
+      train_loader.check()
+      xm.wait_device_ops()  # Time the device work, not just the tracing.
+      run.log.flush()  # Its lines before the epoch's.
+      seconds = time.time() - start
+      results['train_seconds'] += seconds
+      count_data(results, train_loader.order.read_counts(), epoch, rank)
+      if stopped:
+        return stop_run(run, epoch, first_step + steps)
+      if steps:
+        results['epoch_device_busy'].append((utils.execute_seconds() - executed) / seconds)
+      print(f'Epoch {epoch} Replica Train Samples={steps * cfg.batch_size} Device={device}/{rank}',
+            flush=True)
+      rate = xm.mesh_reduce('epoch_rate', steps * cfg.batch_size / seconds, sum)
+      results['epoch_rates'] += [rate] if steps else []
+      xm.master_print(f'Epoch {epoch} train end {test_utils.now()}, Reduced GlobalRate={rate:.2f}',
+                      flush=True)
+      accuracy, *counts = evaluate(run.model, test_device_loader, cfg.amp)
+      test_loader.check()
+      xm.master_print(f'Epoch {epoch} test end {test_utils.now()}, Accuracy={accuracy:.2f}',
+                      flush=True)
+      stop, saved = end_epoch(run, epoch, accuracy, counts)
+      if stop:
+        return stop_run(run, epoch + 1, 0, saved)
   del profiler
   return utils.finish_results(results, run.global_step, cfg.batch_size * world_size,
                               run.log.writer)
@@ -459,13 +466,17 @@ def _mp_fn(index, flag_values):
 def main(argv):
   del argv
   flag_values = FLAGS.flag_values_dict()
-  flag_values['num_workers'] = utils.usable_workers(FLAGS.num_workers)
+  flag_values['num_workers'] = utils.usable_workers(FLAGS.num_workers,
+                                                     FLAGS['num_workers'].present)
   utils.set_precision(FLAGS.amp, FLAGS.bf16)  # Before the runtime starts.
   # Check the inputs here, once, before any replica starts: bad input is one line, not N.
   try:
-    shard_format.check_shards('wds_traindir', FLAGS.wds_traindir, FLAGS.fail_on_bad_data)
-    shard_format.check_shards('wds_testdir', FLAGS.wds_testdir, FLAGS.fail_on_bad_data)
+    shards = [shard_format.check_shards(flag, FLAGS[flag].value, FLAGS.fail_on_bad_data)
+              for flag in ('wds_traindir', 'wds_testdir')]
     cfg = SimpleNamespace(**flag_values)
+    side = shard_format.SIDE
+    print(f'Data: {cfg.trainsize:,} training samples in {shards[0]} shards and {cfg.testsize:,} '
+          f'evaluation samples in {shards[1]}, 3x{side}x{side} uint8, {cfg.num_classes} classes')
     print(utils.describe_model(cfg.model, build_model(cfg, cfg.num_classes), cfg.num_classes))
     print(utils.describe_recipe(cfg, 'set by --lr, --lr_scheduler_type, --momentum and '
                                 '--weight_decay'), flush=True)

@@ -5,17 +5,22 @@ FLAGS or holds a script's choices."""
 
 import collections
 import concurrent.futures
+import contextlib
 import io
 import itertools
 import json
 import logging
+import math
 import numbers
 import os
+import pickle
 import signal
 import sys
 import threading
+import types
 
 import fsspec
+import numpy as np
 import torch
 import torch_xla.core.xla_model as xm
 import torch_xla.debug.metrics as met
@@ -25,6 +30,7 @@ import torchvision
 from absl import flags
 
 EXIT_BELOW_TARGET = 21  # upstream's code for a run below --target_accuracy
+EXIT_DIVERGED = 22  # the loss became NaN: nothing was saved after it
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped by SIGTERM after a checkpoint; run it again.
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a Ctrl-C.
 REMOTE_SECONDS = 20  # The wait at start for a bucket or server (gcsfs alone retries ~35 s).
@@ -47,6 +53,10 @@ class BadDataError(Exception):
     return super().__str__().strip().splitlines()[-1].split('BadDataError: ')[-1]
 
 
+class Diverged(Exception):
+  """The loss became NaN at the step this names (every replica agrees on it)."""
+
+
 def die(message, code=2):
   print(f'error: {message}', file=sys.stderr, flush=True)
   sys.exit(code)
@@ -57,6 +67,8 @@ def parse_flags(argv, elsewhere=None):
   elsewhere: {flag of another script: what to say instead of absl's guess}."""
   try:
     rest = flags.FLAGS(argv)
+  except SystemExit:  # absl's --help, --helpshort and --helpfull print, then exit 1.
+    sys.exit(0)
   except flags.UnrecognizedFlagError as e:
     die(f'--{e.flagname}: {elsewhere[e.flagname]}' if e.flagname in (elsewhere or {}) else
         f'{e} (see --helpshort)')
@@ -134,6 +146,25 @@ def _kind(value):
   return repr(value) if isinstance(value, (int, float, str)) else f'a {type(value).__name__}'
 
 
+class _WorkerPickle(pickle.Pickler):
+  """What a loader worker started by spawn is sent of a dataset, but for its tensors and arrays
+  (taken as they are: only whether it can be sent is asked, not what it weighs)."""
+  dispatch_table = {torch.Tensor: lambda tensor: (tuple, ()), np.ndarray: lambda array: (tuple, ())}
+
+
+def check_picklable(datasets):
+  """Loader workers that a replica starts by spawn get each dataset pickled: a class defined
+  inside a function (or a lambda transform) cannot be, which would be a traceback from the
+  replica after start-up. Said here in one line instead."""
+  for name, dataset in datasets.items():
+    try:
+      _WorkerPickle(types.SimpleNamespace(write=len)).dump(dataset)  # Written nowhere.
+    except Exception as e:  # pickle.PicklingError, AttributeError (a local class), TypeError
+      raise UsageError(f'build_datasets: the {name} set ({type(dataset).__name__}) cannot be '
+                       f'sent to loader worker processes ({e}): define its class (and any '
+                       'function it holds) at module level, or give --num_workers 0') from None
+
+
 def describe_model(name, model, num_classes):
   """The line that says which model a run trains, as build_model made it."""
   parameters = sum(parameter.numel() for parameter in model.parameters())
@@ -151,14 +182,16 @@ def describe_recipe(cfg, source):
           f'{cfg.weight_decay:g} ({source})')
 
 
-def usable_workers(num_workers):
+def usable_workers(num_workers, given):
   """num_workers, at most the CPUs this process may use: more loader workers only add start-up
-  time and memory (on 2 cores, 8 workers made a 1-minute run take 4.5)."""
+  time and memory (on 2 cores, 8 workers made a 1-minute run take 4.5). given: the user asked
+  for this number (a default is lowered without a word)."""
   cpus = len(os.sched_getaffinity(0))
   if num_workers <= cpus:
     return num_workers
-  print(f'--num_workers {num_workers} is more than the {cpus} CPUs this process may use: '
-        f'using {cpus}', flush=True)
+  if given:
+    print(f'--num_workers {num_workers} is more than the {cpus} CPUs this process may use: '
+          f'using {cpus}', flush=True)
   return cpus
 
 
@@ -311,6 +344,12 @@ def finish_results(results, global_step, samples_per_step, writer):
   results['global_rate'] = results['train_samples'] / max(results['train_seconds'], 1e-9)
   results['compilations'] = compile_count()
   xm.master_print(f'Total train time: {results["train_seconds"]:.1f} s', flush=True)
+  after = results['compilations_after_epoch']
+  if after:  # Each graph compiled after epoch 1 would stall a TPU run for its compile time.
+    late = max(after[-1] - after[0], 0)  # A resumed run's first epoch compiles again.
+    xm.master_print(f'Graphs compiled: {results["compilations"]}, ' + (
+        'none after epoch 1' if not late else f'{late} after epoch 1 (a new shape each: see '
+        'docs/performance.md)'), flush=True)
   xm.master_print(f'Max Accuracy: {results["max_accuracy"]:.2f}%', flush=True)
   return results
 
@@ -319,6 +358,11 @@ def exit_code(results, target_accuracy):
   """The exit code of a run with these results (see the README)."""
   if results.get('preempted') or results.get('interrupted'):
     return EXIT_INTERRUPTED if results.get('interrupted') else EXIT_PREEMPTED
+  if results.get('diverged'):
+    xm.master_print(f'error: the loss became NaN at {results["diverged"]}: training diverged; '
+                    'lower --lr and run again (nothing was saved after that step; exit code '
+                    f'{EXIT_DIVERGED})', fd=sys.stderr, flush=True)
+    return EXIT_DIVERGED
   if results['final_accuracy'] < target_accuracy:
     xm.master_print(f'Accuracy {results["final_accuracy"]:.2f} is below target '
                     f'{target_accuracy:.2f}', flush=True)
@@ -432,30 +476,77 @@ def record_stop(results, signum, global_step, checkpoint=None):
 
 
 class StopVote:
-  """A stop signal on any replica (SPMD: host) as a stop after the same step on all of them."""
+  """A stop signal on any replica (SPMD: host) as a stop after the same step on all of them;
+  and a NaN loss on any as the end of the run on all (Diverged), an infinite one as a warning."""
   LAG = 2
 
-  def __init__(self, device, stop_signal):
+  def __init__(self, device, stop_signal, lr):
     # Device buffers copied once: no transfer per step, and no scalar constants (a graph each).
     self.flags = (torch.zeros(1).to(device), torch.ones(1).to(device))
-    self.stop_signal, self.votes = stop_signal, collections.deque()
+    self.stop_signal, self.lr, self.votes, self.warned = stop_signal, lr, collections.deque(), False
 
-  def sum(self, flag):
-    return xm.all_reduce(xm.REDUCE_SUM, flag)
+  def tally(self, flag, loss):
+    """[replicas asking to stop, replicas whose loss is infinite, whose loss is NaN]."""
+    return xm.all_reduce(xm.REDUCE_SUM, torch.cat([flag, self.not_finite(loss)]))
 
-  def agreed_after_step(self):
-    """Whether all stop after this step: a sum of flags in the step's graph, read LAG steps on."""
-    self.votes.append(self.sum(self.flags[self.stop_signal() != 0]))
-    return len(self.votes) > self.LAG and self.votes.popleft().item() > 0
+  @staticmethod
+  def not_finite(loss):
+    return torch.stack([torch.isinf(loss), torch.isnan(loss)]).to(torch.float32)
+
+  def agreed_after_step(self, loss, where):
+    """Whether all stop after this step: the tally is in the step's graph and read LAG steps
+    on, when it is long computed. Raises Diverged for a NaN loss."""
+    self.votes.append((where, self.tally(self.flags[self.stop_signal() != 0], loss)))
+    return len(self.votes) > self.LAG and self._read(*self.votes.popleft())
+
+  def _read(self, where, tally):
+    stops, infinite, nan = tally.tolist()
+    if nan:
+      raise Diverged(where)
+    if infinite and not self.warned:
+      self.warned = True
+      xm.master_print(f'warning: the loss is infinite at {where}: lower --lr (it is {self.lr:g}) '
+                      'if it does not come back', fd=sys.stderr, flush=True)
+    return stops > 0
+
+  def check_losses(self):
+    """Before a save (after a sync): raises Diverged if a step not yet read had a NaN loss."""
+    for vote in self.votes:
+      self._read(*vote)
 
   def agreed_at_epoch_end(self):
     """True when any replica asked to stop during the last steps or since."""
-    pending = any(vote.item() > 0 for vote in self.votes) or self.stop_signal() != 0
+    pending = [self._read(*vote) for vote in self.votes]  # Every one: a NaN among them too.
     self.votes.clear()
-    return self.agree(pending)
+    return self.agree(any(pending) or self.stop_signal() != 0)
 
   def agree(self, pending):
-    return xm.mesh_reduce('stop_request', pending, any)
+    return pending if xr.world_size() == 1 else xm.mesh_reduce('stop_request', pending, any)
+
+
+@contextlib.contextmanager
+def ends_on_nan(results):
+  """Around the epochs: a NaN loss (Diverged) ends them, with nothing saved after it (the
+  checkpoints already saved are as they were); exit_code says so."""
+  try:
+    yield
+  except Diverged as e:
+    results['diverged'] = str(e)
+
+
+def check_learning(history, epoch, num_classes, lr, default_lr):
+  """A warning when the loss stayed at chance level (ln of the class count, or above) through
+  the second half of the epoch's logged steps while --lr is the default: a model without
+  BatchNorm often does not learn at the ResNets' rate, and the run would end with exit 0."""
+  losses = [entry['loss'] for entry in history if entry['epoch'] == epoch]
+  chance = math.log(num_classes)
+  if lr != default_lr or len(losses) < 4 or num_classes < 2:
+    return
+  if min(losses[len(losses) // 2:]) >= 0.95 * chance:
+    xm.master_print(f'warning: the loss stayed at chance level (ln {num_classes} = {chance:.2f}) '
+                    f'through epoch {epoch} at the default learning rate {lr:g}: the model is '
+                    f'not learning; try a lower --lr (such as {lr / 10:g}), as a model without '
+                    'BatchNorm often needs', fd=sys.stderr, flush=True)
 
 
 def ignore_stop_signals(worker_id=None):

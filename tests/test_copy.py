@@ -1,15 +1,15 @@
 # SPDX-License-Identifier: BSD-3-Clause
-"""A script copied into another project, as the README says: with the shared modules it
-imports beside it, or without supervision.py under torchrun (the lines the README names
-taken out)."""
+"""A script copied into another project, as docs/adapt.md says: with the shared modules it
+imports beside it, or without supervision.py under torchrun (the lines it names taken out)."""
 
+import ast
 import re
 import shlex
 import subprocess
 import sys
 import textwrap
 
-from conftest import REPO, losses, read_json, script_env
+from conftest import REPO, assert_one_error, losses, read_json, script_env
 
 SHARED = ['utils.py', 'checkpoints.py', 'image_folders.py']
 
@@ -53,10 +53,10 @@ def test_mp_script_without_supervision_trains_under_torchrun(tmp_path):
 
 
 def readme_adapt_steps():
-  """The three code blocks of README's "Adapt it" worked example: (copy commands, the two
+  """The three code blocks of docs/adapt.md's worked example: (copy commands, the two
   functions, the training command)."""
-  readme = (REPO / 'README.md').read_text()
-  section = readme.split('\n## Adapt it', 1)[1].split('\n## ', 1)[0]
+  page = (REPO / 'docs' / 'adapt.md').read_text()
+  section = page.split('\n## Adapt it', 1)[1].split('\n## ', 1)[0]
   blocks = [textwrap.dedent(block) for block in
             re.findall(r'^( *)```\w*\n(.*?)^\1```', section, re.M | re.S) for block in [block[1]]]
   copy, functions, command = blocks[:3]
@@ -68,10 +68,25 @@ def test_readme_adapt_it_example_learns_in_a_project_with_its_own_utils(tmp_path
   project = tmp_path / 'myproject'
   (project / 'utils').mkdir(parents=True)  # The user's own utils package, which ours must not hide.
   (project / 'utils' / '__init__.py').write_text('GREETING = "the project\'s own utils"\n')
-  # Step 1, in the repo as the README says, into the project instead of ~/myproject.
+  # Step 1, in the repo as the page says, into the project instead of ~/myproject.
   shell = re.sub(r'^PROJECT=\S+', f'PROJECT={shlex.quote(str(project))}', copy, flags=re.M)
   assert shell != copy
   subprocess.run(['bash', '-euc', shell], cwd=REPO, check=True)
+  # Every module of ours the copied files import, at their top or inside a function (run()
+  # imports command.py), is in the project: a missing one would be "No module named ..." only
+  # when that path runs. And ours is imported as xla_utils, not as the project's utils.
+  imported = set()
+  for path in project.glob('*.py'):
+    for node in ast.walk(ast.parse(path.read_text())):
+      if isinstance(node, ast.Import):
+        imported |= {alias.name.split('.')[0] for alias in node.names}
+      elif isinstance(node, ast.ImportFrom) and node.module:
+        imported.add(node.module.split('.')[0])
+  ours = {path.stem for path in REPO.glob('*.py')} | {'xla_utils'}
+  missing = sorted(name for name in imported & ours if not (project / f'{name}.py').exists())
+  assert not missing, f'imported but not copied: {missing}'
+  assert 'command' in imported and 'xla_utils' in imported and 'utils' not in imported
+
   # Step 2: the two functions of the copied script replaced by the README's, nothing else.
   script = project / 'train_resnet_mp.py'
   source = script.read_text()
@@ -101,3 +116,34 @@ def test_readme_adapt_it_example_learns_in_a_project_with_its_own_utils(tmp_path
   check = subprocess.run([sys.executable, '-c', 'import utils; print(utils.GREETING)'],
                          cwd=project, capture_output=True, text=True, check=True)
   assert check.stdout.strip() == "the project's own utils"
+
+
+def test_a_dataset_loader_workers_cannot_receive_is_one_line_before_any_replica(tmp_path):
+  # A dataset class defined inside build_datasets, as one writes it at first: replicas start
+  # their loader workers by spawn, which must pickle it, and cannot.
+  project = tmp_path / 'project'
+  project.mkdir()
+  for name in SHARED + ['supervision.py']:
+    (project / name).write_text((REPO / name).read_text())
+  source = (REPO / 'train_resnet_mp.py').read_text()
+  start = source.index('def build_datasets(')
+  end = source.index('\n# ---', start)
+  local_class = textwrap.dedent('''\
+      def build_datasets(cfg):
+        class Colours(torch.utils.data.Dataset):
+          def __init__(self, count):
+            self.images = torch.rand(count, 3, 16, 16, generator=torch.Generator().manual_seed(count))
+          def __len__(self):
+            return len(self.images)
+          def __getitem__(self, index):
+            return self.images[index], index % 3
+        return Colours(64), Colours(16), 3
+      ''')
+  (project / 'train.py').write_text(source[:start] + local_class + source[end:])
+  argv = [sys.executable, 'train.py', '--model', 'resnet18', '--batch_size', 8, '--num_epochs', 1]
+  result = subprocess.run(list(map(str, argv + ['--num_workers', 1])), cwd=project,
+                          env=script_env(), capture_output=True, text=True, timeout=300)
+  assert_one_error(result, 2, r"^error: build_datasets: the training set \(Colours\) cannot be "
+                   r"sent to loader worker processes \(.*build_datasets\.<locals>\.Colours.*\): "
+                   r'define its class .* at module level, or give --num_workers 0$')
+  assert 'Starting' not in result.stdout, result.stdout  # Before any replica.

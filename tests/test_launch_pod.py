@@ -385,8 +385,21 @@ def test_a_restart_waits_for_a_lost_worker_until_ctrl_c_or_restart_wait(sshd, ma
 def test_helpshort_lists_the_log_dir():
   done = subprocess.run([sys.executable, REPO / 'launch_pod.py', '--helpshort'],
                         capture_output=True, text=True, timeout=60)
+  assert done.returncode == 0, done
   assert re.search(r'^  --log_dir: Also append each worker.s lines to DIR/worker-N\.log\.$',
                    done.stdout, re.M), done.stdout
+  # Its example commands are whole: the code's folder on every worker is named.
+  examples = re.findall(r'launch_pod\.py .*', done.stdout)
+  assert examples and all('--workdir' in line for line in examples), done.stdout
+
+
+def test_a_python_without_absl_is_one_line():
+  # -S: no site-packages, as a system python3 without the project's packages.
+  done = subprocess.run([sys.executable, '-S', REPO / 'launch_pod.py', '--helpshort'],
+                        capture_output=True, text=True, timeout=60)
+  assert done.returncode == 2 and 'Traceback' not in done.stderr, done
+  assert re.fullmatch(r'error: launch_pod\.py needs absl-py, which \S+ does not have: run \S+ '
+                      r"-m pip install absl-py, or run it with the venv's python\n", done.stderr)
 
 
 def test_an_unknown_host_key_says_what_to_do_and_is_not_retried(sshd, tmp_path, mark):

@@ -10,6 +10,7 @@ import time
 
 import numpy as np
 import pytest
+import torch
 
 from conftest import (REPO, assert_one_error, assert_same_training, finish, losses, read_json,
                       readme_command_flags, run_and_signal, run_script, script_env, seeded_random,
@@ -34,6 +35,8 @@ def test_readme_quick_start_spawns_trains_and_reports(tmp_path):
   results = read_json(tmp_path / 'r.json')
   counts = results['compilations_after_epoch']
   assert counts[-1] == counts[0]
+  # Said, not only in the results: every graph compiled in epoch 1.
+  assert re.search(rf'^Graphs compiled: {results["compilations"]}, none after epoch 1$', out, re.M)
 
 
 def test_learns_with_warmup_and_decay_and_counts_exactly(tmp_path, colour_folder):
@@ -132,6 +135,36 @@ BAD_INPUTS = {
 def test_bad_input_is_one_clear_line_and_exit_2(case):
   args, message = BAD_INPUTS[case]
   assert_one_error(run_script(SCRIPT, *args, timeout=120), 2, message)
+
+
+def test_help_exits_0():
+  result = run_script(SCRIPT, '--helpshort', timeout=120)
+  assert result.returncode == 0, result.stderr
+  assert '--fake_data' in result.stdout and '--ckpt_dir' in result.stdout
+
+
+def test_a_nan_loss_ends_every_replica_with_its_code_and_nothing_nan_is_saved(tmp_path):
+  # An absurd learning rate: the loss grows past float32 and becomes NaN within a few steps.
+  ckpt_dir = tmp_path / 'ckpt'
+  result = run_script(SCRIPT, '--fake_data', '--model', 'resnet18', '--img_dim', 16,
+                      '--batch_size', 8, '--test_set_batch_size', 8, '--num_epochs', 2,
+                      '--num_steps', 12, '--log_steps', 1, '--lr', 1e9, '--ckpt_dir', ckpt_dir,
+                      '--ckpt_every_steps', 2, '--results_json', tmp_path / 'r.json')
+  assert_one_error(result, 22, r'^error: the loss became NaN at epoch \d step \d+: training '
+                   r'diverged; lower --lr and run again \(nothing was saved after that step')
+  epoch, step = map(int, re.findall(r'\d+', read_json(tmp_path / 'r.json')['diverged']))
+  assert re.search(rf'^\| Training .* Epoch={epoch} Step={step} Loss=nan ', result.stdout, re.M)
+  nan_step = (epoch - 1) * 12 + step + 1  # The global step count once that step ran.
+  # The checkpoints kept are all from before it, and hold only finite numbers: the same command
+  # with a lower --lr resumes from a good state.
+  saved = list(ckpt_dir.glob('ckpt-*.pt'))
+  assert saved, result.stdout
+  for path in saved:
+    state = torch.load(path, weights_only=True)
+    assert state['global_step'] < nan_step, (path, nan_step)
+    tensors = list(state['model'].values()) + [
+        s['momentum_buffer'] for s in state['optimizer']['state'].values()]
+    assert all(torch.isfinite(t).all() for t in tensors if t.is_floating_point()), path
 
 
 def test_too_little_data_for_a_batch_is_a_clear_error(tmp_path, colour_folder):

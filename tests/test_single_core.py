@@ -107,6 +107,27 @@ def test_learns_counts_every_val_image_once_and_compiles_only_in_epoch_1(tmp_pat
   # Every graph (train steps, padded eval batches) is compiled in epoch 1, none after.
   counts = results['compilations_after_epoch']
   assert len(counts) == 3 and counts[0] == counts[1] == counts[2]
+  assert 'chance level' not in result.stderr, result.stderr  # It learned: no warning.
+
+
+def test_a_loss_at_chance_level_all_epoch_names_the_lr_and_goes_on(tmp_path):
+  # Four classes of one colour: the labels say nothing about the images, so the loss stays at
+  # ln 4, as a model that does not learn at the default rate (no BatchNorm, say) would.
+  same = {name: (128, 128, 128) for name in ('a', 'b', 'c', 'd')}
+  make_image_folder(tmp_path / 'data', 'train', 32, size=16, seed=1, colours=same)
+  make_image_folder(tmp_path / 'data', 'val', 2, size=16, seed=2, colours=same)
+  result = run_script(SCRIPT, '--datadir', tmp_path / 'data', '--model', 'resnet18',
+                      '--img_dim', 16, '--batch_size', 8, '--test_set_batch_size', 8,
+                      '--num_epochs', 2, '--num_steps', 8, '--log_steps', 1)
+  assert result.returncode == 0, result.stderr  # A warning, not an end.
+  warnings = re.findall(r'^warning: the loss stayed at chance level \(ln 4 = 1\.39\) through '
+                        r'epoch (\d) at the default learning rate 0\.1: the model is not '
+                        r'learning; try a lower --lr \(such as 0\.01\)', result.stderr, re.M)
+  assert warnings == ['1', '2'], result.stderr
+  assert re.search(r'^Epoch 2 test end ', result.stdout, re.M)
+  # The default --num_workers (8) is lowered to the CPUs without a line; only a number the
+  # user gave is worth one.
+  assert 'CPUs this process may use' not in result.stdout, result.stdout
 
 
 def test_corrupt_image_names_the_file(tmp_path):

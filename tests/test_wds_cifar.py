@@ -438,6 +438,10 @@ def test_trains_on_the_tutorials_shards_over_http_to_high_accuracy(http_shards, 
       '--lr', 0.05, '--num_workers', 2, '--shuffle_buffer', 100, '--log_steps', 10,
       '--ckpt_dir', tmp_path / 'ckpt', '--results_json', tmp_path / 'r.json')
   assert result.returncode == 0, result.stderr[-3000:]
+  # What it trains on, said first, as the image-folder scripts say it.
+  assert re.search(r'^Data: 480 training samples in 10 shards and 200 evaluation samples in 4, '
+                   r'3x32x32 uint8, 10 classes\nModel: resnet18 ', result.stdout, re.M), \
+      result.stdout[:1000]
   results = read_json(tmp_path / 'r.json')
   assert results['max_accuracy'] >= 90, result.stdout
   assert results['eval_samples'] == 200  # 200 test samples in batches of 64: padded, counted once.
