@@ -3,6 +3,7 @@
 whole training state, written whole or not at all, and the exact resume from them."""
 
 import io
+import os
 import pickle
 import re
 import sys
@@ -148,7 +149,9 @@ def resume(resume_path, ckpt_dir, training, flag_values, restart_flags, world_si
                     f'(--batch_size {batch} per device), so the run will differ from one never '
                     'interrupted (see the README)', fd=sys.stderr, flush=True)
   epoch, num_epochs = state['epoch'], flag_values['num_epochs']
+  where = ckpt_dir or os.path.dirname(path)
   xm.master_print(f'Run already finished: {path} is the end of epoch {epoch - 1} (--num_epochs '
-                  f'{num_epochs})' if epoch > num_epochs else
+                  f'{num_epochs}). To train on, give more --num_epochs; to start over, remove '
+                  f'{where} or give another --ckpt_dir' if epoch > num_epochs else
                   f'Resumed from {path} at epoch {epoch} step {state["step"]}', flush=True)
   return state

@@ -127,7 +127,7 @@ def _stream(command):
   KeyboardInterrupt here is a Ctrl-C there. Returns (exit code, the output's lines)."""
   process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                              start_new_session=True, preexec_fn=_die_with_parent,
-                             env=dict(os.environ, PYTHONUNBUFFERED='1'))
+                             env=dict(os.environ, PYTHONUNBUFFERED='1', **_interrupt_name()))
   selector = selectors.DefaultSelector()
   for pipe, out in ((process.stdout, sys.stdout), (process.stderr, sys.stderr)):
     decoder = codecs.getincrementaldecoder('utf-8')(errors='replace')
@@ -142,6 +142,11 @@ def _stream(command):
       os.killpg(process.pid, signal.SIGKILL)
     except ProcessLookupError:
       pass
+
+
+def _interrupt_name():
+  """In a notebook the run's lines name the SIGINT after the kernel's Interrupt button."""
+  return {'INTERRUPT_NAME': 'Interrupt'} if utils.in_notebook() else {}
 
 
 def _copy_output(process, selector, lines):

@@ -85,8 +85,8 @@ def _watch(wakeup, launcher, saving):
     if select.select([wakeup], [], [], 0.2)[0]:
       for signum in os.read(wakeup, 64):
         if signum == signal.SIGINT and _stop_signal:
-          _end_run(utils.EXIT_INTERRUPTED, 'Stopped at once by a second Ctrl-C: nothing saved '
-                   f'since the last checkpoint (exit code {utils.EXIT_INTERRUPTED})')
+          _end_run(utils.EXIT_INTERRUPTED, f'Stopped at once by a second {utils.INTERRUPT}: nothing '
+                   f'saved since the last checkpoint (exit code {utils.EXIT_INTERRUPTED})')
         first, _stop_signal = not _stop_signal, _stop_signal or signum
         if launcher:  # To the replicas, started or starting; multiprocessing's resource
           # tracker, the other child, ignores both.
@@ -96,9 +96,9 @@ def _watch(wakeup, launcher, saving):
           for pid in replicas:
             os.kill(pid, signum)
         if first:  # At once: the step and the save can take a minute, said or not.
-          print('Stopping after this step ' + ('and saving (Ctrl-C again to end at once without '
-                'saving)' if saving else '(nothing is saved without --ckpt_dir; Ctrl-C again '
-                'to end at once)'), flush=True)
+          again = f'{utils.INTERRUPT} again to end at once'
+          print('Stopping after this step ' + (f'and saving ({again} without saving)' if saving
+                else f'(nothing is saved without --ckpt_dir; {again})'), flush=True)
     if launcher:
       _check_replicas()
 

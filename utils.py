@@ -33,6 +33,9 @@ EXIT_BELOW_TARGET = 21  # upstream's code for a run below --target_accuracy
 EXIT_DIVERGED = 22  # the loss became NaN: nothing was saved after it
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped by SIGTERM after a checkpoint; run it again.
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a Ctrl-C.
+# What the user's SIGINT is called in the lines about it: a notebook's run() says "Interrupt",
+# after the button that sends it.
+INTERRUPT = os.environ.get('INTERRUPT_NAME', 'Ctrl-C')
 REMOTE_SECONDS = 20  # The wait at start for a bucket or server (gcsfs alone retries ~35 s).
 
 # gcsfs and google-auth log each retry and credential fallback, tracebacks included, through
@@ -470,7 +473,7 @@ def record_stop(results, signum, global_step, checkpoint=None):
   results.update(train_steps=global_step, checkpoint=checkpoint)
   if signum == signal.SIGINT:
     results['interrupted'] = True
-    return 'Ctrl-C (SIGINT)', EXIT_INTERRUPTED
+    return f'{INTERRUPT} (SIGINT)', EXIT_INTERRUPTED
   results['preempted'] = True
   return 'SIGTERM', EXIT_PREEMPTED
 

@@ -3,23 +3,24 @@
 start notebook executed top to bottom by nbclient, as "Run all" does, and run() and %run
 in one kernel, interrupted as the notebook's "Interrupt kernel" button does."""
 
+import contextlib
 import os
 import re
 import shutil
+import socket
+import threading
 import time
 
 import nbformat
 from jupyter_client.manager import start_new_kernel
 from nbclient import NotebookClient
+from nbclient.exceptions import CellExecutionError
 
 from conftest import REPO, make_cifar_python, run_processes, script_env
 
 
 def test_quickstart_notebook_runs_all_cells_and_draws_the_curves(tmp_path):
-  # A checkout of the repo's files (not the repo itself: the notebook writes runs/ beside them).
-  checkout = tmp_path / 'checkout'
-  shutil.copytree(REPO, checkout, ignore=shutil.ignore_patterns(
-      '.*', '__pycache__', 'tests', 'benchmarks', 'runs', 'data'))
+  checkout = checkout_of_the_repo(tmp_path)
   make_cifar_python(tmp_path / 'cifar' / 'cifar-10-batches-py', per_batch=40, test_count=48)
   notebook = nbformat.read(checkout / 'notebooks' / 'quickstart.ipynb', as_version=4)
   assert all(not cell.get('outputs') for cell in notebook.cells)  # Stripped in the repo.
@@ -41,6 +42,90 @@ def test_quickstart_notebook_runs_all_cells_and_draws_the_curves(tmp_path):
   assert (checkout / 'runs' / 'quickstart' / 'ckpt' / 'best.pt').exists()
   images = [o for o in code[4].outputs if 'image/png' in o.get('data', {})]
   assert len(images) == 1, code[4].outputs
+
+
+def checkout_of_the_repo(tmp_path):
+  """A copy of the repo's files (not the repo itself: the notebook writes runs/ beside them)."""
+  checkout = tmp_path / 'checkout'
+  shutil.copytree(REPO, checkout, ignore=shutil.ignore_patterns(
+      '.*', '__pycache__', 'tests', 'benchmarks', 'runs', 'data'))
+  return checkout
+
+
+def run_data_cells(checkout, env):
+  """The notebook's set-up and CIFAR-10 cells (not the training ones) in a real kernel; returns
+  (the data cell, the error it ended with or None)."""
+  notebook = nbformat.read(checkout / 'notebooks' / 'quickstart.ipynb', as_version=4)
+  data_cell = next(i for i, cell in enumerate(notebook.cells) if 'make_cifar_shards.run' in cell.source)
+  notebook.cells = notebook.cells[:2] + [notebook.cells[data_cell]]
+  client = NotebookClient(notebook, timeout=120, kernel_name='python3',
+                          resources={'metadata': {'path': str(checkout / 'notebooks')}})
+  try:
+    client.execute(env=env)
+    return notebook.cells[-1], None
+  except CellExecutionError as e:
+    return notebook.cells[-1], e
+
+
+@contextlib.contextmanager
+def server_that_never_answers():
+  """A port on 127.0.0.1 that takes connections and never says a word: a network that drops
+  what it is sent."""
+  server = socket.create_server(('127.0.0.1', 0))
+  held, done = [], threading.Event()
+
+  def accept():
+    server.settimeout(0.2)
+    while not done.is_set():
+      with contextlib.suppress(TimeoutError):
+        held.append(server.accept()[0])
+
+  thread = threading.Thread(target=accept, daemon=True)
+  thread.start()
+  try:
+    yield server.getsockname()[1]
+  finally:
+    done.set()
+    thread.join()
+    for connection in held:
+      connection.close()
+    server.close()
+
+
+def test_without_data_or_network_the_data_cell_says_what_to_attach(tmp_path):
+  checkout = checkout_of_the_repo(tmp_path)
+  with server_that_never_answers() as port:
+    proxy = f'http://127.0.0.1:{port}'  # Every download goes there, and waits.
+    env = script_env(QUICKSTART_SMALL='1', http_proxy=proxy, https_proxy=proxy, HTTP_PROXY=proxy,
+                     HTTPS_PROXY=proxy)
+    for name in ('QUICKSTART_DATA', 'no_proxy', 'NO_PROXY'):
+      env.pop(name, None)
+    started = time.monotonic()
+    cell, error = run_data_cells(checkout, env)
+    print(f'the data cell ended after {time.monotonic() - started:.1f} s (kernel start included)')
+  # It ended on its own (the client's 120 s limit would be a CellTimeoutError), in a few lines
+  # that say what to do, and not in a traceback.
+  assert error is not None and error.ename == 'Stop', error
+  shown = ''.join(o.get('text', '') for o in cell.outputs if o.output_type == 'stream') + \
+      '\n'.join(line for o in cell.outputs if o.output_type == 'error' for line in o.traceback)
+  print(shown)
+  assert len(shown.splitlines()) <= 15, shown
+  assert re.search(r'^Stop: CIFAR-10 is not here and cannot be downloaded \(.*timed out.*\)', shown,
+                   re.M), shown
+  assert 'QUICKSTART_DATA' in shown and 'Traceback' not in shown, shown
+
+
+def test_quickstart_data_may_be_the_cifar_folder_itself_and_is_only_read(tmp_path):
+  checkout = checkout_of_the_repo(tmp_path)
+  cifar = make_cifar_python(tmp_path / 'attached' / 'cifar-10-batches-py', per_batch=8,
+                            test_count=8)
+  before = sorted((p.name, p.stat().st_mtime_ns) for p in cifar.parent.rglob('*'))
+  cell, error = run_data_cells(checkout, script_env(QUICKSTART_DATA=str(cifar),
+                                                    QUICKSTART_SMALL='1'))
+  assert error is None, error
+  text = ''.join(o.get('text', '') for o in cell.outputs if o.output_type == 'stream')
+  assert f'CIFAR-10 from {cifar}' in text and 'Wrote 40 training samples' in text, text
+  assert sorted((p.name, p.stat().st_mtime_ns) for p in cifar.parent.rglob('*')) == before
 
 
 class Kernel:
@@ -116,10 +201,12 @@ def test_run_and_percent_run_in_one_kernel_interrupted_and_resumed(tmp_path):
     output, error = kernel.execute(f'train_resnet_mp.run({flags + ["--num_epochs", "2"]})',
                                    on_output=interrupt_once)
     assert sent and error, (output, error)
-    stopped = re.match(r'Stopped: Stopped by Ctrl-C \(SIGINT\) at epoch 1 step (\d+): saved '
+    # Named after the button that sent it, in every line about it.
+    stopped = re.match(r'Stopped: Stopped by Interrupt \(SIGINT\) at epoch 1 step (\d+): saved '
                        r'(\S+); run the same command to resume \(exit code 130\)', error)
-    assert stopped and re.search(r'^Stopping after this step and saving', output, re.M), (
-        output, error)
+    assert stopped and re.search(r'^Stopping after this step and saving \(Interrupt again to end '
+                                 r'at once without saving\)', output, re.M), (output, error)
+    assert 'Ctrl-C' not in output + error, (output, error)
     assert os.path.exists(stopped.group(2))
     deadline = time.monotonic() + 5
     while (left := [p for p in run_processes(mark=mark) if p != kernel.pid()]) and (

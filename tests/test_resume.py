@@ -96,7 +96,9 @@ def test_killed_stopped_and_killed_mid_save_run_ends_bitwise_equal(data, referen
   result = run_script(SCRIPT, *flags(data, ckpt_dir))
   assert result.returncode == 0, result.stdout + result.stderr
   assert re.search(r'^Run already finished: \S+ckpt-00000016.pt is the end of epoch 2 '
-                   r'\(--num_epochs 2\)$', result.stdout, re.M), result.stdout
+                   r'\(--num_epochs 2\)\. To train on, give more --num_epochs; to start over, '
+                   rf'remove {re.escape(str(ckpt_dir))} or give another --ckpt_dir$', result.stdout,
+                   re.M), result.stdout
   assert 'Training' not in result.stdout and 'compiling' not in result.stdout, result.stdout
 
 
