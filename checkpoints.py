@@ -147,7 +147,7 @@ def resume(resume_path, ckpt_dir, training, flag_values, restart_flags, world_si
     xm.master_print(f'warning: resuming {path} on {world_size} devices, saved on {saved_world}: '
                     f'the global batch is {batch * world_size} instead of {batch * saved_world} '
                     f'(--batch_size {batch} per device), so the run will differ from one never '
-                    'interrupted (see the README)', fd=sys.stderr, flush=True)
+                    'interrupted (see docs/checkpoints.md)', fd=sys.stderr, flush=True)
   epoch, num_epochs = state['epoch'], flag_values['num_epochs']
   where = ckpt_dir or os.path.dirname(path)
   xm.master_print(f'Run already finished: {path} is the end of epoch {epoch - 1} (--num_epochs '

@@ -64,7 +64,7 @@ flags.DEFINE_integer('device_prefetch_size', 4, 'Device batches MpDeviceLoader q
 flags.DEFINE_integer('host_to_device_transfer_threads', 1, 'Host-to-device copy threads.', lower_bound=1)
 flags.DEFINE_bool('bf16', False, 'Train in bfloat16: sets XLA_USE_BF16=1 before the spawn.')
 flags.DEFINE_bool('amp', False, 'Mixed precision: forward and loss autocast to bfloat16, weights and '
-                  'optimizer in float32 (see the README).')
+                  'optimizer in float32 (see docs/tpu.md).')
 flags.DEFINE_float('target_accuracy', 0.0, 'Exit with code 21 if the final accuracy (%) is below it.')
 flags.DEFINE_string('logdir', None, 'TensorBoard folder for loss, rate, lr and accuracy (master only).')
 flags.DEFINE_bool('metrics_debug', False, "Print torch_xla's metrics report after each epoch.")

@@ -330,7 +330,7 @@ def compile_count():
 
 
 def new_results(model, **extra):
-  """The numbers a run adds up as it goes, which --results_json writes (see the README)."""
+  """The numbers a run adds up as it goes, which --results_json writes (see docs/scripts.md)."""
   return dict(dict(model=model, world_size=xr.world_size(), epochs=0, max_accuracy=0.0,
                    final_accuracy=0.0, eval_correct=0, eval_samples=0, epoch_rates=[],
                    epoch_accuracies=[], epoch_device_busy=[], compilations_after_epoch=[],

@@ -98,7 +98,7 @@ def test_killed_and_stopped_run_on_four_devices_ends_bitwise_equal_and_as_one_de
   assert result.returncode == 0, result.stdout + result.stderr
   assert re.search(r'^warning: resuming \S+ckpt-00000010\.pt on 2 devices, saved on 4: the global '
                    r'batch is 8 instead of 16 \(--batch_size 4 per device\), so the run will '
-                   r'differ from one never interrupted \(see the README\)$', result.stderr,
+                   r'differ from one never interrupted \(see docs/checkpoints\.md\)$', result.stderr,
                    re.M), result.stderr
   assert re.search(r'^Resumed from \S+ckpt-00000010\.pt at epoch 3 step 0$', result.stdout, re.M)
 
