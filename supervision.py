@@ -30,20 +30,37 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 # The first SIGTERM or SIGINT this process got, or 0. A plain value: a handler takes no
 # lock, since a second signal (a launcher passing one on) can run it inside the first.
 _stop_signal = 0
+_wakeup = None  # In a replica: the pipe's end to read signals from (see stop_on_signals).
 _replicas = {}  # pid: multiprocessing.Process of every replica seen, alive or not.
 _ending = threading.RLock()  # Held by the thread that ends the run (a handler may re-enter).
 
 
 def stop_signal():
   """The first stop signal this process got (SIGTERM or SIGINT), or 0."""
+  global _stop_signal
+  if not _stop_signal and _wakeup is not None:
+    try:  # What arrived while the main thread, which runs handlers, was blocked.
+      arrived = [signum for signum in os.read(_wakeup, 64) if signum in STOP_SIGNALS]
+    except BlockingIOError:
+      arrived = []
+    _stop_signal = _stop_signal or (arrived[0] if arrived else 0)
   return _stop_signal
 
 
 def stop_on_signals():
   """In a replica: SIGTERM and SIGINT become a request to stop after the current step. Only
-  a main thread may install a handler, so a replica calls this while it imports the script."""
+  a main thread may install a handler, so a replica calls this while it imports the script.
+  A replica trains in a thread of torch_xla's while its main thread waits in a lock, where a
+  handler runs only if the kernel delivered the signal to that very thread: stop_signal
+  also reads the wakeup pipe Python writes every signal to, from whichever thread got it."""
+  global _wakeup
+  wakeup_read, wakeup_write = os.pipe()
+  os.set_blocking(wakeup_read, False)
+  os.set_blocking(wakeup_write, False)
   for signum in STOP_SIGNALS:
     signal.signal(signum, _on_stop_signal)
+  signal.set_wakeup_fd(wakeup_write)
+  _wakeup = wakeup_read
 
 
 def _on_stop_signal(signum, frame):

@@ -1,6 +1,8 @@
 # SPDX-License-Identifier: BSD-3-Clause
 """Helpers for the end-to-end tests: run a script as a user would, make image folders."""
 
+import ctypes
+import errno
 import json
 import os
 import pathlib
@@ -209,10 +211,14 @@ def assert_nothing_left(session=None, mark=None, seconds=5):
       for pid in left)
 
 
-def run_and_signal(script, args, at_step, sig, group=True, env=None):
+def run_and_signal(script, args, at_step, sig, to='group', env=None):
   """Runs a script with --log_steps 1 and sends sig once it has printed at_step + 1 training
-  lines: to its whole process group (as a VM going down does) or to the command's process
-  only (`kill PID`). Returns (exit code, output)."""
+  lines: to its whole process group (`to='group'`, as a VM going down does), to the
+  command's process only (`'command'`, `kill PID`), or to each other process of the run (its
+  replicas and loader workers) at a thread other than its main one (`'threads'`: Linux
+  delivers a signal sent to a process to any of its threads, while Python runs handlers in
+  the main thread only; on a VM going down the command's own signal, and the copy it passes
+  on, may land the same way). Returns (exit code, output)."""
   process = start_script(script, *args, env=env)
   lines, steps = [], 0
   for line in process.stdout:
@@ -220,11 +226,26 @@ def run_and_signal(script, args, at_step, sig, group=True, env=None):
     if TRAIN_LINE.match(line.rstrip('\n')):
       steps += 1
       if steps > at_step:
-        (os.killpg if group else os.kill)(process.pid, sig)
+        if to == 'threads':
+          signal_other_threads(set(run_processes(session=process.pid)) - {process.pid}, sig)
+        else:
+          (os.killpg if to == 'group' else os.kill)(process.pid, sig)
         break
   code, rest = finish(process)
   # finish() read the output to its end: no process of the run holds it open any more.
   return code, ''.join(lines) + rest
+
+
+def signal_other_threads(pids, sig):
+  """sig to each process at its newest thread other than the main one (if it has one)."""
+  tgkill = ctypes.CDLL(None, use_errno=True).tgkill
+  for pid in pids:
+    try:
+      threads = sorted(int(tid) for tid in os.listdir(f'/proc/{pid}/task'))
+    except OSError:
+      continue  # Gone meanwhile.
+    if tgkill(pid, threads[-1], sig) != 0 and ctypes.get_errno() != errno.ESRCH:
+      raise OSError(ctypes.get_errno(), f'tgkill {pid} {threads[-1]}')
 
 
 def kill_during_save(script, args, ckpt_dir, after_saves):

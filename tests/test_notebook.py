@@ -200,6 +200,7 @@ def test_run_and_percent_run_in_one_kernel_interrupted_and_resumed(tmp_path):
 
     output, error = kernel.execute(f'train_resnet_mp.run({flags + ["--num_epochs", "2"]})',
                                    on_output=interrupt_once)
+    print(output, error, sep='\n')  # In the report when an assert below fails.
     assert sent and error, (output, error)
     # Named after the button that sent it, in every line about it.
     stopped = re.match(r'Stopped: Stopped by Interrupt \(SIGINT\) at epoch 1 step (\d+): saved '

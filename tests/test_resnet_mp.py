@@ -186,11 +186,11 @@ def test_killed_and_stopped_run_ends_bitwise_equal(tmp_path):
   run = args + ['--ckpt_dir', ckpt_dir]
   kill_step = seeded_random().randrange(1, 5)
   # SIGKILL to the command alone: its replica must not train on without it.
-  code, out = run_and_signal(SCRIPT, run, kill_step, signal.SIGKILL, group=False)
+  code, out = run_and_signal(SCRIPT, run, kill_step, signal.SIGKILL, to='command')
   assert code == -signal.SIGKILL, out
 
   # SIGTERM to the command alone (`kill PID`): it passes it on to the replica.
-  code, out = run_and_signal(SCRIPT, run, 0, signal.SIGTERM, group=False)
+  code, out = run_and_signal(SCRIPT, run, 0, signal.SIGTERM, to='command')
   assert code == 75, f'kill at step {kill_step}\n{out}'
   assert re.search(r'^Stopped by SIGTERM at epoch \d step \d: saved \S+; run the same command '
                    r'to resume \(exit code 75\)$', out, re.M), out

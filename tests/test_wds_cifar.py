@@ -558,12 +558,13 @@ def test_stopped_run_ends_bitwise_equal(shards, tmp_path):
   reference = start_script('train_wds_cifar.py', *args, '--ckpt_dir', tmp_path / 'reference')
   ckpt_dir = tmp_path / 'ckpt'
   run = args + ['--ckpt_dir', ckpt_dir]
-  # SIGTERM to every process (a VM shutting down), loader workers included, at a random
-  # step of epoch 1: the resumed stream must skip exactly what was read before the stop.
-  # (A kill in the middle of a save is tested with train_single_core.py, in
-  # tests/test_resume.py: this script saves through the same function.)
+  # SIGTERM to the replica and its loader workers, each at a thread other than its main one
+  # (a replica's main thread waits, blocked, for the thread that trains), as a VM shutting
+  # down may deliver it, at a random step of epoch 1: the run stops, and the resumed stream
+  # must skip exactly what was read before the stop. (A kill in the middle of a save is tested with
+  # train_single_core.py, in tests/test_resume.py: this script saves through the same function.)
   stop_step = seeded_random().randrange(0, 4)
-  code, out = run_and_signal('train_wds_cifar.py', run, stop_step, signal.SIGTERM)
+  code, out = run_and_signal('train_wds_cifar.py', run, stop_step, signal.SIGTERM, to='threads')
   assert code == 75, f'stopped after step {stop_step}\n{out}'
   assert re.search(r'^Stopped by SIGTERM at epoch \d step \d: saved ', out, re.M), out
 

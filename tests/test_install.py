@@ -1,0 +1,113 @@
+# SPDX-License-Identifier: BSD-3-Clause
+"""The install lines of the README and docs, as written, resolve on every Python they claim:
+pip's own resolver on a dry run (it asks the package registry, as the install does, and
+installs nothing), run by a real interpreter of each version where the machine has one
+(pyenv's), so that pip picks the constraints' lines marked for that Python itself.
+
+Five resolutions cover them all: every package is pinned (constraints.txt, and libtpu by
+torch_xla[tpu]), so when the union of two lines' requirement files resolves, each line does.
+requirements-tpu.txt holds what requirements.txt holds, and requirements-dev.txt holds
+requirements.txt."""
+
+import concurrent.futures
+import pathlib
+import re
+import shlex
+import subprocess
+import sys
+import tempfile
+
+from packaging.markers import Marker
+
+from conftest import REPO
+
+# What the README says: every line on 3.10 to 3.13, but torch_xla[tpu] 2.9 pins libtpu
+# 0.0.21, which has no wheel for 3.13.
+RESOLVE = [('3.10', ['requirements-dev.txt', 'requirements-tpu.txt']),
+           ('3.11', ['requirements-dev.txt', 'requirements-tpu.txt']),
+           ('3.12', ['requirements-dev.txt', 'requirements-tpu.txt']),
+           ('3.13', ['requirements-dev.txt'])]
+FAILS = ('3.13', ['requirements-tpu.txt'])
+PLATFORMS = ['manylinux_2_17_x86_64', 'manylinux2014_x86_64', 'manylinux_2_28_x86_64',
+             'manylinux_2_31_x86_64', 'linux_x86_64']
+
+
+def install_lines():
+  """{requirements file: the words after `pip install` in its install lines in the docs}."""
+  lines = {}
+  for page in [REPO / 'README.md', *sorted((REPO / 'docs').glob('*.md'))]:
+    for words in re.findall(r'pip install (-r requirements[-\w]*\.txt[^&\n`"]*)', page.read_text()):
+      words = shlex.split(words)
+      lines.setdefault(words[1], set()).add(tuple(words))
+  return lines
+
+
+def interpreter(version):
+  """A python of this version on this machine (pyenv's, or this one), or None."""
+  found = sorted(pathlib.Path('~/.pyenv/versions').expanduser().glob(f'{version}.*/bin/python'))
+  if found:
+    return str(found[-1])
+  return sys.executable if f'{sys.version_info[0]}.{sys.version_info[1]}' == version else None
+
+
+def pins_for(version):
+  """The lines of constraints.txt that hold on Python `version`, without their markers."""
+  kept = []
+  for line in (REPO / 'constraints.txt').read_text().splitlines():
+    pin, _, marker = line.partition(';')
+    if pin.strip() and not pin.startswith('#') and (
+        not marker or Marker(marker).evaluate({'python_version': version})):
+      kept.append(pin.strip())
+  return kept
+
+
+def constraints_for(version, scratch):
+  """Where there is no interpreter of this version pip evaluates the markers for its own
+  Python: constraints.txt with the lines that hold for `version` only, for pip's
+  --python-version."""
+  path = pathlib.Path(scratch) / 'constraints.txt'
+  path.write_text('\n'.join(pins_for(version)) + '\n')
+  return str(path)
+
+
+def dry_run(version, files):
+  """(how, exit code, output) of pip resolving `pip install -r F... -c constraints.txt` for
+  this Python."""
+  python = interpreter(version)
+  with tempfile.TemporaryDirectory() as scratch:
+    if python:
+      how, constraints, target = f'Python {version} ({python})', 'constraints.txt', []
+    else:
+      how, constraints = f"this Python's pip with --python-version {version}", constraints_for(
+          version, scratch)
+      python, target = sys.executable, ['--python-version', version,
+                                        *[f'--platform={p}' for p in PLATFORMS]]
+    command = [python, '-m', 'pip', 'install', '--dry-run', '--ignore-installed',
+               '--disable-pip-version-check', '--only-binary=:all:', '--target', scratch,
+               *target, *[w for f in files for w in ('-r', f)], '-c', constraints]
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=1200)
+  return how, done.returncode, done.stdout + done.stderr
+
+
+def test_the_install_lines_resolve_on_every_python_the_readme_names():
+  lines = install_lines()
+  # The quick start's, the TPU VM's (and the pods' page) and the tests' lines, each only as
+  # `-r FILE -c constraints.txt`: the same words on every Python.
+  assert set(lines) == {'requirements.txt', 'requirements-tpu.txt', 'requirements-dev.txt'}, lines
+  assert all(words[2:] == ('-c', 'constraints.txt') for found in lines.values()
+             for words in found), lines
+  checks = [*RESOLVE, FAILS]
+  with concurrent.futures.ThreadPoolExecutor(len(checks)) as pool:
+    done = list(pool.map(lambda check: dry_run(*check), checks))
+  for (version, files), (how, code, out) in zip(checks, done):
+    print(version, ' '.join(files), how, 'exit', code)
+  failed = {check[0]: out[-3000:] for check, (_, code, out) in zip(RESOLVE, done) if code != 0}
+  assert not failed, failed
+  # Each Python got the versions meant for it: on 3.10 the lines marked for it.
+  for (version, _), (_, _, out) in zip(RESOLVE, done):
+    numpy = next(pin for pin in pins_for(version) if pin.startswith('numpy=='))
+    assert re.search(r'^Would install .*\b' + re.escape(numpy.replace('==', '-')) + r'\b', out,
+                     re.M), (version, numpy, out[-3000:])
+  assert pins_for('3.10') != pins_for('3.11')
+  _, code, out = done[-1]
+  assert code != 0 and re.search(r'No matching distribution found for libtpu==0\.0\.21', out), out
