@@ -75,6 +75,7 @@ flags.DEFINE_string('ckpt_dir', None, 'Save checkpoints here, resume from the ne
 flags.DEFINE_integer('ckpt_every_steps', None, 'Also save every N steps.', lower_bound=1)
 flags.DEFINE_integer('keep_checkpoints', 2, 'Checkpoints kept, besides best.pt.', lower_bound=1)
 flags.DEFINE_string('resume', None, 'Resume from this checkpoint instead of the newest in --ckpt_dir.')
+flags.DEFINE_string('compile_cache_dir', None, "torch_xla's compile cache, on this host's disk: a restart loads graphs, not compiles (TPU).")
 # A notebook may import several scripts (the same flag names) or %run one again.
 utils.redefinable(FLAGS)
 
@@ -83,7 +84,7 @@ RESTART_FLAGS = {'resume', 'ckpt_dir', 'ckpt_every_steps', 'keep_checkpoints', '
                  'log_steps', 'logdir', 'results_json', 'metrics_debug', 'profile',
                  'profiler_port', 'target_accuracy', 'num_workers', 'persistent_workers',
                  'prefetch_factor', 'loader_prefetch_size', 'device_prefetch_size',
-                 'host_to_device_transfer_threads', 'num_cores'}
+                 'host_to_device_transfer_threads', 'num_cores', 'compile_cache_dir'}
 FAKE_TRAIN_SAMPLES, FAKE_TEST_SAMPLES, FAKE_CLASSES = 1_200_000, 50_000, 1000  # ImageNet's
 # Upstream's tuned resnet50 recipe (for 8 replicas of batch 128); other models get DEFAULTS.
 DEFAULTS = dict(lr=0.1, lr_scheduler_type='none')
@@ -316,6 +317,7 @@ def _mp_fn(index, flag_values):
   del index  # The global ordinal comes from the runtime.
   cfg = SimpleNamespace(**flag_values)
   with supervision.replica():  # A replica that fails ends at once, and so the whole run.
+    utils.use_compile_cache(cfg.compile_cache_dir, xr.global_ordinal())  # Before any computation.
     results = train(cfg, supervision.stop_signal)
     if xm.is_master_ordinal():
       utils.write_results(cfg.results_json, results)
@@ -351,7 +353,8 @@ def main(argv):
   utils.set_precision(FLAGS.amp, FLAGS.bf16)  # Before the runtime starts.
   try:
     check_job(SimpleNamespace(**flag_values))
-    utils.check_outputs(FLAGS.ckpt_dir, FLAGS.logdir, FLAGS.results_json)
+    utils.check_outputs(FLAGS.ckpt_dir, FLAGS.logdir, FLAGS.results_json,
+                        FLAGS.compile_cache_dir)
   except (utils.UsageError, utils.BadDataError) as e:
     utils.die(e)
   print('Starting ' + ('one replica (--num_cores 1)' if FLAGS.num_cores == 1 else

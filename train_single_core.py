@@ -71,6 +71,7 @@ flags.DEFINE_string('ckpt_dir', None, 'Save checkpoints here, resume from the ne
 flags.DEFINE_integer('ckpt_every_steps', None, 'Also save every N steps.', lower_bound=1)
 flags.DEFINE_integer('keep_checkpoints', 2, 'Checkpoints kept, besides best.pt.', lower_bound=1)
 flags.DEFINE_string('resume', None, 'Resume from this checkpoint instead of the newest in --ckpt_dir.')
+flags.DEFINE_string('compile_cache_dir', None, "torch_xla's compile cache, on this host's disk: a restart loads graphs, not compiles (TPU).")
 # A notebook may import several scripts (the same flag names) or %run one again.
 utils.redefinable(FLAGS)
 
@@ -79,7 +80,7 @@ RESTART_FLAGS = {'resume', 'ckpt_dir', 'ckpt_every_steps', 'keep_checkpoints', '
                  'log_steps', 'logdir', 'results_json', 'metrics_debug', 'profile',
                  'profiler_port', 'target_accuracy', 'num_workers', 'persistent_workers',
                  'prefetch_factor', 'loader_prefetch_size', 'device_prefetch_size',
-                 'host_to_device_transfer_threads'}
+                 'host_to_device_transfer_threads', 'compile_cache_dir'}
 FAKE_TRAIN_SAMPLES, FAKE_TEST_SAMPLES, FAKE_CLASSES = 1_200_000, 50_000, 1000  # ImageNet's
 
 
@@ -317,7 +318,9 @@ def main(argv):
   # SIGTERM and Ctrl-C stop after a step; a second Ctrl-C ends the run at once.
   with supervision.run_watched(launcher=False, saving=bool(FLAGS.ckpt_dir)):
     try:
-      utils.check_outputs(cfg.ckpt_dir, cfg.logdir, cfg.results_json)
+      utils.check_outputs(cfg.ckpt_dir, cfg.logdir, cfg.results_json,
+                          cfg.compile_cache_dir)
+      utils.use_compile_cache(cfg.compile_cache_dir)  # Before the first computation.
       results = train(cfg, supervision.stop_signal)
       utils.write_results(cfg.results_json, results)
     except (utils.UsageError, utils.BadDataError) as e:

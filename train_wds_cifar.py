@@ -84,6 +84,7 @@ flags.DEFINE_string('ckpt_dir', None, 'Save checkpoints here, resume from the ne
 flags.DEFINE_integer('ckpt_every_steps', None, 'Also save every N steps.', lower_bound=1)
 flags.DEFINE_integer('keep_checkpoints', 2, 'Checkpoints kept, besides best.pt.', lower_bound=1)
 flags.DEFINE_string('resume', None, 'Resume from this checkpoint instead of the newest in --ckpt_dir.')
+flags.DEFINE_string('compile_cache_dir', None, "torch_xla's compile cache, on this host's disk: a restart loads graphs, not compiles (TPU).")
 flags.DEFINE_string('logdir', None, 'TensorBoard folder for loss, rate, lr and accuracy (master only).')
 flags.DEFINE_bool('metrics_debug', False, "Print torch_xla's metrics report after each epoch.")
 flags.DEFINE_bool('profile', False, 'Start the profiler server so TensorBoard can capture a trace.')
@@ -97,7 +98,8 @@ RESTART_FLAGS = {'resume', 'ckpt_dir', 'ckpt_every_steps', 'keep_checkpoints', '
                  'log_steps', 'logdir', 'results_json', 'metrics_debug', 'profile',
                  'profiler_port', 'target_accuracy', 'num_workers', 'prefetch_factor',
                  'loader_prefetch_size', 'device_prefetch_size',
-                 'host_to_device_transfer_threads', 'fail_on_bad_data', 'num_cores'}
+                 'host_to_device_transfer_threads', 'fail_on_bad_data', 'num_cores',
+                 'compile_cache_dir'}
 # Flags of the image-folder scripts that a user may bring here.
 ELSEWHERE = {'img_dim': 'this script trains on 32x32 CIFAR images, as the shards hold them; '
                         '--img_dim belongs to the image-folder scripts',
@@ -457,6 +459,7 @@ def _mp_fn(index, flag_values):
   del index  # The global ordinal comes from the runtime.
   cfg = SimpleNamespace(**flag_values)
   with supervision.replica():  # A replica that fails ends at once, and so the whole run.
+    utils.use_compile_cache(cfg.compile_cache_dir, xr.global_ordinal())  # Before any computation.
     results = train(cfg, supervision.stop_signal)
     if xm.is_master_ordinal():
       utils.write_results(cfg.results_json, results)
@@ -480,7 +483,8 @@ def main(argv):
     print(utils.describe_model(cfg.model, build_model(cfg, cfg.num_classes), cfg.num_classes))
     print(utils.describe_recipe(cfg, 'set by --lr, --lr_scheduler_type, --momentum and '
                                 '--weight_decay'), flush=True)
-    utils.check_outputs(FLAGS.ckpt_dir, FLAGS.logdir, FLAGS.results_json)
+    utils.check_outputs(FLAGS.ckpt_dir, FLAGS.logdir, FLAGS.results_json,
+                        FLAGS.compile_cache_dir)
   except utils.UsageError as e:
     utils.die(e)
   print('Starting ' + ('one replica (--num_cores 1)' if FLAGS.num_cores == 1 else

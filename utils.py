@@ -103,6 +103,17 @@ def set_precision(amp, bf16):
     os.environ['XLA_USE_BF16'] = '1'
 
 
+def use_compile_cache(cache_dir, process=None):
+  """--compile_cache_dir: torch_xla's persistent compile cache there, in a folder of its own
+  for each `process` (its index in the whole run, so that hosts may share a mounted folder:
+  one writer per folder); called before the first computation. A restarted run on a TPU
+  loads its graphs instead of compiling them; XLA:CPU writes them but cannot read them
+  back (it compiles again, with a warning per graph)."""
+  if cache_dir:
+    xr.initialize_cache(cache_dir if process is None else os.path.join(cache_dir,
+                                                                        f'process-{process}'))
+
+
 def create_model(name, num_classes):
   """A torchvision classifier with fresh weights (nothing is downloaded)."""
   if name not in torchvision.models.list_models(torchvision.models):
@@ -402,10 +413,14 @@ def write_atomically(data, url):
     raise
 
 
-def check_outputs(ckpt_dir, logdir, results_json):
+def check_outputs(ckpt_dir, logdir, results_json, compile_cache_dir=None):
   """A probe file into each output folder given: a place that takes none fails before training,
   not after it. First frees what a killed save left in ckpt_dir."""
-  folders = dict(ckpt_dir=ckpt_dir, logdir=logdir,
+  if compile_cache_dir and '://' in compile_cache_dir:
+    raise UsageError(f'--compile_cache_dir {compile_cache_dir}: torch_xla writes its compile '
+                     "cache with plain file I/O: give a folder on this host's disk (each host "
+                     'keeps its own)')
+  folders = dict(ckpt_dir=ckpt_dir, logdir=logdir, compile_cache_dir=compile_cache_dir,
                  results_json=results_json and (os.path.dirname(results_json) or '.'))
   for flag, folder in ((flag, folder) for flag, folder in folders.items() if folder):
     try:

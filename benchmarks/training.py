@@ -183,8 +183,9 @@ def runs_to_measure(tmp, quick):
       # Checkpoints too (every epoch end and at step steps - 1), for the resume below.
       ('train_wds_cifar.py', 'shards, CIFAR stem', [*wds_args, '--ckpt_every_steps', steps - 1]),
   ]
-  if quick:  # A row of each loop: the folder runs take the same path as the fake ones.
-    runs = [r for r in runs if r[1] not in ('image folder', 'fake, 1 device')][1:]
+  if quick:  # A row of each launch: the folder runs take the same path as the fake ones,
+    # and the SPMD script the single core's (one process).
+    runs = [r for r in runs if r[0] != 'train_resnet_spmd.py' and r[1] != 'image folder'][1:]
   return runs, wds_args
 
 
@@ -192,7 +193,10 @@ def precision_rows(tmp, quick):
   """(precision, samples/s, host overhead, graphs compiled, checkpoint MB) of the single-core
   fake-data run in float32, with --amp and with --bf16, each row when its run ends."""
   epochs, steps = (2, 3) if quick else (3, 40)
-  for name, extra in (('float32', []), ('--amp', ['--amp']), ('--bf16', ['--bf16'])):
+  precisions = (('float32', []), ('--amp', ['--amp']), ('--bf16', ['--bf16']))
+  # --quick: the row whose run differs most (XLA_USE_BF16 set for it); float32 is the
+  # training table's, and --amp only a flag more.
+  for name, extra in precisions[2:] if quick else precisions:
     say(f'measuring train_single_core.py in {name}')
     ckpt_dir = tmp / f'precision-{name.strip("-")}'
     results, _ = run('train_single_core.py', '--fake_data', '--model', FLAGS.bench_model,

@@ -16,20 +16,19 @@ def test_benchmark_prints_its_tables_row_by_row():
   out = result.stdout
   assert result.returncode == 0, out[-3000:]
   scripts = re.findall(r'^\| (\S+) \| [^|]+ \| [\d,.]+ \| [\d.]+% \| \d+ \| (\d+) \|$', out, re.M)
-  # --quick leaves out the rows whose loop another row runs (single core: the mp script's).
-  assert [s for s, _ in scripts] == ['train_resnet_mp.py', 'train_resnet_spmd.py',
-                                     'train_wds_cifar.py']
+  # --quick leaves out the rows whose launch another row runs (single core and SPMD: one
+  # process, as the precision rows' runs).
+  assert [s for s, _ in scripts] == ['train_resnet_mp.py', 'train_wds_cifar.py']
   # Each row is printed when its run ends, before the next run starts: a reader sees the
   # table grow instead of minutes of silence.
   order = re.findall(r'^(?:\[[\d:]+\] running (\S+) on|\| (train_\S+) \|)', out, re.M)
   assert order == [('train_resnet_mp.py', ''), ('', 'train_resnet_mp.py'),
-                   ('train_resnet_spmd.py', ''), ('', 'train_resnet_spmd.py'),
                    ('train_wds_cifar.py', ''), ('', 'train_wds_cifar.py')], out
   # What the checkpoint measurement prints itself stays out of the tables.
   assert 'Resumed from' not in out and 'Saved checkpoint' not in out, out
   assert re.search(r'^\| eager PyTorch, CPU \| fake \| [\d,.]+ \| \| \| \|$', out, re.M)
   precisions = re.findall(r'^\| ([\w-]+) \| [\d,.]+ \| [\d.]+% \| \d+ \| [\d,]+ MB \|$', out, re.M)
-  assert precisions == ['float32', '--amp', '--bf16'], out
+  assert precisions == ['--bf16'], out  # --quick: one row (all three without it)
   assert re.search(r'^\| resnet18 \+ momentum, size \| [\d,]+ MB \|$', out, re.M)  # 50 if not quick
   assert re.search(r'resumed at epoch 2 step 1: start to first new step \| [\d.]+ s \|$', out, re.M)
   decoders = re.findall(r'^\| (\w+) \| [\d.]+ \| [\d,]+ \|$', out, re.M)

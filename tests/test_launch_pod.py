@@ -7,6 +7,7 @@ the process list shows whatever of it is left, on the "workers" as here."""
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import socket
@@ -47,31 +48,85 @@ def sshd(tmp_path_factory):
     if server:
       break
   else:
-    pytest.fail(f'sshd did not start: {(folder / "sshd.log").read_text()}')
+    pytest.fail(f'sshd did not start: {(folder / "sshd-here.log").read_text()}')
   options = [f'IdentityFile={folder}/user_key', 'StrictHostKeyChecking=no',
              'UserKnownHostsFile=/dev/null', 'LogLevel=ERROR']
-  yield dict(port=port, flags=[f'--ssh_option={o}' for o in options] +
+  yield dict(port=port, program=program, folder=folder,
+             flags=[f'--ssh_option={o}' for o in options] +
              [f'--hosts=ssh://127.0.0.1:{port},ssh://127.0.0.1:{port}'])
   server.terminate()
   server.wait()
 
 
-def start_sshd(program, folder):
-  """(port, server), or (port, None) if it exited (its port taken)."""
-  port = free_port()
-  (folder / 'sshd_config').write_text(
-      f'Port {port}\nListenAddress 127.0.0.1\nHostKey {folder}/host_key\n'
-      f'AuthorizedKeysFile {folder}/authorized_keys\nPidFile {folder}/sshd.pid\n'
+def start_sshd(program, folder, address='127.0.0.1', port=None, netns=None):
+  """(port, server), or (port, None) if it exited (its port taken). In network namespace
+  `netns` if given, where it drops a client silent for 2 to 3 s (its host's link went down)."""
+  port = port or free_port()
+  name = f'sshd-{netns or "here"}'
+  (folder / f'{name}.config').write_text(
+      f'Port {port}\nListenAddress {address}\nHostKey {folder}/host_key\n'
+      f'AuthorizedKeysFile {folder}/authorized_keys\nPidFile {folder}/{name}.pid\n'
       'StrictModes no\nUsePAM no\nPasswordAuthentication no\nKbdInteractiveAuthentication no\n'
-      'PermitRootLogin prohibit-password\n')
-  with open(folder / 'sshd.log', 'wb') as log:
-    server = subprocess.Popen([program, '-D', '-e', '-f', folder / 'sshd_config'], stderr=log)
+      'PermitRootLogin prohibit-password\n'
+      + ('ClientAliveInterval 1\nClientAliveCountMax 2\n' if netns else ''))
+  log_path = folder / f'{name}.log'
+  with open(log_path, 'wb') as log:
+    server = subprocess.Popen([*(['ip', 'netns', 'exec', netns] if netns else []), program, '-D',
+                               '-e', '-f', folder / f'{name}.config'], stderr=log)
   while server.poll() is None:
     with socket.socket() as s:
-      if s.connect_ex(('127.0.0.1', port)) == 0 and b'listening' in (folder / 'sshd.log').read_bytes():
+      s.settimeout(1)
+      if s.connect_ex((address, port)) == 0 and b'listening' in log_path.read_bytes():
         return port, server
     time.sleep(0.1)
   return port, None
+
+
+@pytest.fixture(scope='module')
+def netns_hosts(sshd):
+  """Two hosts of their own: network namespaces, each with its address on a veth link to
+  this machine's namespace and an sshd of its own (the keys of `sshd`). A host is lost when
+  its link goes down (`ip link set LINK down`), as a VM that drops off the network."""
+  tag = os.getpid() % 100000
+  subnet = f'10.{100 + tag % 100}'  # Private addresses, on links inside this machine only.
+  started = time.monotonic()
+  made, servers, hosts, links = [], [], [], []
+
+  def ip(*args, netns=None):
+    command = ['ip', *(['netns', 'exec', netns, 'ip'] if netns else []), *args]
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode:
+      pytest.fail(f'{shlex.join(command)}: {done.stderr.strip()} (network namespaces need '
+                  'root and iproute2, which .ci/run has)')
+
+  try:
+    for host in range(2):
+      netns, link, address = f'refs-test-{tag}-h{host}', f'rt{tag}h{host}', f'{subnet}.{host}'
+      ip('netns', 'add', netns)
+      made.append(netns)
+      ip('link', 'add', link, 'type', 'veth', 'peer', 'name', f'{link}p')
+      ip('link', 'set', f'{link}p', 'netns', netns)
+      ip('addr', 'add', f'{address}.1/30', 'dev', link)
+      ip('link', 'set', link, 'up')
+      ip('addr', 'add', f'{address}.2/30', 'dev', f'{link}p', netns=netns)
+      ip('link', 'set', f'{link}p', 'up', netns=netns)
+      ip('link', 'set', 'lo', 'up', netns=netns)  # The command's own localhost.
+      _, server = start_sshd(sshd['program'], sshd['folder'], f'{address}.2', 22, netns)
+      if server is None:
+        pytest.fail(f'sshd did not start in {netns}: '
+                    f'{(sshd["folder"] / f"sshd-{netns}.log").read_text()}')
+      servers.append(server)
+      hosts.append(f'ssh://{address}.2:22')
+      links.append(link)
+    print(f'two hosts in network namespaces, with their sshd, in '
+          f'{time.monotonic() - started:.2f} s')
+    yield dict(hosts='--hosts=' + ','.join(hosts), links=links, ip=ip)
+  finally:
+    for server in servers:
+      server.terminate()
+      server.wait()
+    for netns in made:  # Its end of the link goes with it, and so the other end.
+      subprocess.run(['ip', 'netns', 'del', netns], capture_output=True)
 
 
 @pytest.fixture
@@ -264,13 +319,8 @@ def job_of(mark, worker):
   raise AssertionError(f'no command of worker {worker} runs')
 
 
-def parent_of(pid):
-  with open(f'/proc/{pid}/stat') as f:
-    return int(f.read().rsplit(')', 1)[1].split()[1])
-
-
-def test_restarts_survive_a_preemption_and_a_lost_worker_and_end_as_an_uninterrupted_run(
-    sshd, tmp_path, mark):
+def test_restarts_survive_a_preemption_and_a_lost_host_and_end_as_an_uninterrupted_run(
+    sshd, netns_hosts, tmp_path, mark):
   rng = seeded_random()
   # Early in epoch 1, so that the other worker still trains when the stop reaches it (a
   # stop lands 2 steps after its signal, or at the epoch's end).
@@ -280,21 +330,32 @@ def test_restarts_survive_a_preemption_and_a_lost_worker_and_end_as_an_uninterru
            '10', '--log_steps', '1', '--num_workers', '0', '--seed', str(rng.randint(0, 99))]
   reference = run_script(*train, '--ckpt_dir', tmp_path / 'reference', timeout=300)
   assert reference.returncode == 0, reference.stderr[-3000:]
-  # Both workers are this machine: a folder each, by the {worker} placeholder.
-  process = start(sshd, '--restarts=3', '--restart_wait=120', f'--tpu_devices={tmp_path}/accel*',
-                  f'--tpu_lockfile={tmp_path}/lockfile', '--env=PJRT_DEVICE=CPU', '--',
-                  sys.executable, *train, '--ckpt_dir', f'{tmp_path}/ck/w{{worker}}', mark=mark)
+  # Two hosts of their own (network namespaces, the same disk: a folder each, by the
+  # {worker} placeholder); ssh gives up on a silent host after 2 to 3 s.
+  process = start(sshd, '--ssh_option=ServerAliveInterval=1', '--ssh_option=ServerAliveCountMax=2',
+                  '--ssh_option=ConnectTimeout=5', '--restarts=3', '--restart_wait=120',
+                  f'--tpu_devices={tmp_path}/accel*', f'--tpu_lockfile={tmp_path}/lockfile',
+                  '--env=PJRT_DEVICE=CPU', '--', sys.executable, *train, '--ckpt_dir',
+                  f'{tmp_path}/ck/w{{worker}}', mark=mark, hosts=netns_hosts['hosts'])
   # A maintenance event on worker 0: SIGTERM to its command's processes.
   out = wait_for(process, rf'^\[worker 0\] \| Training .* Epoch=1 Step={preempted_at} ')
   os.killpg(job_of(mark, 0), signal.SIGTERM)
   out += wait_for(process, r'^launch_pod: restart 1 of 3 \(worker 0 \(\S+\) exited 75: stopped '
                            r'and saved\)$')
-  # Worker 1's host drops off at its first step after the restart (the workers resume at
-  # different steps): its ssh session ends on the server's side (ssh exits 255), and its
-  # watcher, cut off, stops its command (which saves) on its own.
-  out += wait_for(process, r'^\[worker 1\] \| Training ')
-  os.kill(parent_of(parent_of(job_of(mark, 1))), signal.SIGKILL)
+  # Worker 1's host drops off the network as its command resumes after the restart, while it
+  # compiles (the rest of its run takes longer than sshd's 2 to 3 s): its link goes down.
+  # ssh on this side gives up (255); on that side sshd drops the session and the watcher,
+  # cut off, stops the command (which saves). The launcher waits for the host to answer
+  # again, and its link comes back.
+  out += wait_for(process, r'^\[worker 1\] Resumed from ')
+  link = netns_hosts['links'][1]
+  netns_hosts['ip']('link', 'set', link, 'down')
+  lost = time.monotonic()
+  out += wait_for(process, r'^launch_pod: worker 1 \(\S+\) exited with code 255 ')
+  print(f'the link went down; ssh gave worker 1 up {time.monotonic() - lost:.1f} s later')
   out += wait_for(process, r'^launch_pod: restart 2 of 3 \(worker 1 \(\S+\) exited 255: lost\)$')
+  out += wait_for(process, r'^launch_pod: waiting until every worker answers')
+  netns_hosts['ip']('link', 'set', link, 'up')
   rest, _ = process.communicate(timeout=300)
   out += rest
   assert process.returncode == 0, out

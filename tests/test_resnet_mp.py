@@ -128,6 +128,8 @@ BAD_INPUTS = {
                                 r'cannot write to --results_json README.md \('),
     'unwritable ckpt_dir': (['--fake_data', '--ckpt_dir', 'README.md/ckpt'],
                             r'cannot write to --ckpt_dir README.md/ckpt \('),
+    'compile cache in a bucket': (['--fake_data', '--compile_cache_dir', 'gs://bucket/cache'],
+                                  r"--compile_cache_dir gs://bucket/cache: .*a folder on this host's disk"),
 }
 
 
@@ -175,15 +177,17 @@ def test_too_little_data_for_a_batch_is_a_clear_error(tmp_path, colour_folder):
 
 def test_killed_and_stopped_run_ends_bitwise_equal(tmp_path):
   # The resnet50 recipe's warm-up and decay, over 3 short epochs: the schedule's state must
-  # resume too.
+  # resume too. With --amp: its casts are part of the traced step, and a resumed run must
+  # compute the very same bfloat16 work.
   args = ['--fake_data', '--model', 'resnet18', '--img_dim', 16, '--batch_size', 4,
           '--test_set_batch_size', 4, '--num_epochs', 3, '--num_steps', 4, '--log_steps', 1,
           '--lr_scheduler_type', 'WarmupAndExponentialDecayScheduler',
-          '--lr_scheduler_divide_every_n_epochs', 1, '--ckpt_every_steps', 2]
+          '--lr_scheduler_divide_every_n_epochs', 1, '--ckpt_every_steps', 2, '--amp']
   reference = start_script(SCRIPT, *args, '--ckpt_dir', tmp_path / 'reference',
                            '--results_json', tmp_path / 'reference.json')
   ckpt_dir = tmp_path / 'ckpt'
-  run = args + ['--ckpt_dir', ckpt_dir]
+  # With torch_xla's compile cache (written; XLA:CPU cannot read it back): the same training.
+  run = args + ['--ckpt_dir', ckpt_dir, '--compile_cache_dir', tmp_path / 'cache']
   kill_step = seeded_random().randrange(1, 5)
   # SIGKILL to the command alone: its replica must not train on without it.
   code, out = run_and_signal(SCRIPT, run, kill_step, signal.SIGKILL, to='command')
@@ -204,6 +208,9 @@ def test_killed_and_stopped_run_ends_bitwise_equal(tmp_path):
   assert resumed and all(uninterrupted[key] == loss for key, loss in resumed.items())
   assert_same_training(ckpt_dir, tmp_path / 'reference')
   assert read_json(tmp_path / 'r.json')['train_steps'] == 12
+  # One folder per replica process, one file per graph it compiled.
+  assert [p.name for p in (tmp_path / 'cache').iterdir()] == ['process-0']
+  assert len(list((tmp_path / 'cache' / 'process-0').iterdir())) >= 5
   # Saving every 2 steps compiles nothing new after the first epoch.
   compiled = read_json(tmp_path / 'reference.json')['compilations_after_epoch']
   assert compiled == [compiled[0]] * 3, compiled

@@ -52,7 +52,8 @@ def test_killed_and_stopped_run_on_four_devices_ends_bitwise_equal_and_as_one_de
                      '--ckpt_dir', tmp_path / 'one', '--keep_checkpoints', 10,
                      env=script_env(CPU_NUM_DEVICES='1'))
   ckpt_dir = tmp_path / 'ckpt'
-  run = four + ['--ckpt_dir', ckpt_dir]
+  # With torch_xla's compile cache (written; XLA:CPU cannot read it back): the same training.
+  run = four + ['--ckpt_dir', ckpt_dir, '--compile_cache_dir', tmp_path / 'cache']
   # kill -9 of every process of the run mid-epoch (a VM that crashes).
   kill_step = seeded_random().randrange(2, 5)
   code, out = run_and_signal(SCRIPT, run, kill_step, signal.SIGKILL, env=FOUR)
@@ -73,6 +74,7 @@ def test_killed_and_stopped_run_on_four_devices_ends_bitwise_equal_and_as_one_de
   resumed, uninterrupted = training_losses(result.stdout), training_losses(reference_out)
   assert resumed and all(uninterrupted[key] == loss for key, loss in resumed.items())
   assert_same_training(ckpt_dir, tmp_path / 'reference')
+  assert len(list((tmp_path / 'cache' / 'process-0').iterdir())) >= 5  # A file per graph.
 
   # Four devices compute what one does with the same global batch, up to float rounding:
   # the gradients and BatchNorm statistics are summed over the devices in another order

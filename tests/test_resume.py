@@ -74,8 +74,11 @@ def test_killed_stopped_and_killed_mid_save_run_ends_bitwise_equal(data, referen
   assert code == -signal.SIGKILL, out
   assert any('.pt.tmp' in p.name for p in ckpt_dir.iterdir())  # Killed while writing.
 
-  result = run_script(SCRIPT, *flags(data, ckpt_dir, '--results_json', tmp_path / 'r.json'))
+  # With torch_xla's compile cache (written; XLA:CPU cannot read it back): the same training.
+  result = run_script(SCRIPT, *flags(data, ckpt_dir, '--results_json', tmp_path / 'r.json',
+                                     '--compile_cache_dir', tmp_path / 'cache'))
   assert result.returncode == 0, result.stdout + result.stderr
+  assert len(list((tmp_path / 'cache').iterdir())) >= 4  # A file per graph it compiled.
   resumed = re.search(r'^Resumed from (\S+) at epoch (\d+) step (\d+)$', result.stdout, re.M)
   assert resumed, result.stdout
   assert not any('.pt.tmp' in p.name for p in ckpt_dir.iterdir())
@@ -194,22 +197,3 @@ def test_a_stop_as_an_epoch_ends_saves_once_and_after_the_last_epoch_is_the_end(
   assert 'Stopped by' not in out and re.search(r'^Max Accuracy: 100.00%$', out, re.M), out
   results = read_json(tmp_path / 'r.json')
   assert results['train_steps'] == 6 and 'preempted' not in results, results
-
-
-def test_amp_run_killed_and_resumed_ends_bitwise_equal(tmp_path):
-  # --amp's casts are part of the traced step: a resumed run computes the very same bf16 work.
-  args = ['--fake_data', '--model', 'resnet18', '--img_dim', 16, '--batch_size', 4,
-          '--test_set_batch_size', 4, '--num_epochs', 2, '--num_steps', 4, '--log_steps', 1,
-          '--ckpt_every_steps', 2, '--amp']
-  reference = start_script(SCRIPT, *args, '--ckpt_dir', tmp_path / 'reference')
-  kill_step = seeded_random().randrange(2, 6)
-  code, out = run_and_signal(SCRIPT, args + ['--ckpt_dir', tmp_path / 'ckpt'], kill_step,
-                             signal.SIGKILL)
-  assert code == -signal.SIGKILL, out
-  result = run_script(SCRIPT, *args, '--ckpt_dir', tmp_path / 'ckpt')
-  assert result.returncode == 0, result.stdout + result.stderr
-  assert re.search(r'^Resumed from \S+ at epoch \d step \d$', result.stdout, re.M), result.stdout
-  code, reference_out = finish(reference)
-  assert code == 0, reference_out
-  assert_same_losses(result.stdout, reference_out)
-  assert_same_training(tmp_path / 'ckpt', tmp_path / 'reference')

@@ -557,7 +557,8 @@ def test_stopped_run_ends_bitwise_equal(shards, tmp_path):
           '--lr', 0.05, '--ckpt_every_steps', 2]
   reference = start_script('train_wds_cifar.py', *args, '--ckpt_dir', tmp_path / 'reference')
   ckpt_dir = tmp_path / 'ckpt'
-  run = args + ['--ckpt_dir', ckpt_dir]
+  # With torch_xla's compile cache (written; XLA:CPU cannot read it back): the same training.
+  run = args + ['--ckpt_dir', ckpt_dir, '--compile_cache_dir', tmp_path / 'cache']
   # SIGTERM to the replica and its loader workers, each at a thread other than its main one
   # (a replica's main thread waits, blocked, for the thread that trains), as a VM shutting
   # down may deliver it, at a random step of epoch 1: the run stops, and the resumed stream
@@ -576,3 +577,4 @@ def test_stopped_run_ends_bitwise_equal(shards, tmp_path):
   resumed, uninterrupted = training_losses(result.stdout), training_losses(reference_out)
   assert resumed and all(uninterrupted[key] == loss for key, loss in resumed.items())
   assert_same_training(ckpt_dir, tmp_path / 'reference')
+  assert len(list((tmp_path / 'cache' / 'process-0').iterdir())) >= 5  # A file per graph.
