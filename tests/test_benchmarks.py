@@ -18,7 +18,7 @@ def test_benchmark_prints_its_tables_row_by_row():
   scripts = re.findall(r'^\| (\S+) \| [^|]+ \| [\d,.]+ \| [\d.]+% \| \d+ \| (\d+) \|$', out, re.M)
   # --quick leaves out the rows whose launch another row runs (single core and SPMD: one
   # process, as the precision rows' runs).
-  assert [s for s, _ in scripts] == ['train_resnet_mp.py', 'train_wds_cifar.py']
+  assert [s for s, _ in scripts] == ['train_resnet_mp.py', 'train_wds_cifar.py'], out
   # Each row is printed when its run ends, before the next run starts: a reader sees the
   # table grow instead of minutes of silence.
   order = re.findall(r'^(?:\[[\d:]+\] running (\S+) on|\| (train_\S+) \|)', out, re.M)
