@@ -418,8 +418,8 @@ def check_outputs(ckpt_dir, logdir, results_json, compile_cache_dir=None):
   not after it. First frees what a killed save left in ckpt_dir."""
   if compile_cache_dir and '://' in compile_cache_dir:
     raise UsageError(f'--compile_cache_dir {compile_cache_dir}: torch_xla writes its compile '
-                     "cache with plain file I/O: give a folder on this host's disk (each host "
-                     'keeps its own)')
+                     "cache with plain file I/O: give a folder on this host's disk or a "
+                     'mounted one')
   folders = dict(ckpt_dir=ckpt_dir, logdir=logdir, compile_cache_dir=compile_cache_dir,
                  results_json=results_json and (os.path.dirname(results_json) or '.'))
   for flag, folder in ((flag, folder) for flag, folder in folders.items() if folder):
