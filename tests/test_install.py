@@ -1,8 +1,14 @@
 # SPDX-License-Identifier: BSD-3-Clause
 """The install lines of the README and docs, as written, resolve on every Python they claim:
 pip's own resolver on a dry run (it asks the package registry, as the install does, and
-installs nothing), run by a real interpreter of each version where the machine has one
-(pyenv's), so that pip picks the constraints' lines marked for that Python itself.
+installs nothing), for a real interpreter of each version where the machine has one
+(pyenv's, through pip's --python), so that pip picks the constraints' lines marked for that
+Python itself.
+
+The venv's pip (requirements-dev.txt: 25.3 or newer) reads each wheel's metadata with HTTP
+range requests (--use-feature=fast-deps) and, on a dry run, downloads no wheel: a few MB per
+resolution where an older pip fetched every wheel, torch's CUDA libraries included (about
+8 GB per resolution, which once filled a CI machine's disk).
 
 Five resolutions cover them all: every package is pinned (constraints.txt, and libtpu by
 torch_xla[tpu]), so when the union of two lines' requirement files resolves, each line does.
@@ -75,16 +81,18 @@ def dry_run(version, files):
   this Python."""
   python = interpreter(version)
   with tempfile.TemporaryDirectory() as scratch:
-    if python:
-      how, constraints, target = f'Python {version} ({python})', 'constraints.txt', []
+    if python:  # pip runs itself under that interpreter
+      how, constraints = f'Python {version} ({python})', 'constraints.txt'
+      pip, target = [sys.executable, '-m', 'pip', '--python', python], []
     else:
       how, constraints = f"this Python's pip with --python-version {version}", constraints_for(
           version, scratch)
-      python, target = sys.executable, ['--python-version', version,
-                                        *[f'--platform={p}' for p in PLATFORMS]]
-    command = [python, '-m', 'pip', 'install', '--dry-run', '--ignore-installed',
-               '--disable-pip-version-check', '--only-binary=:all:', '--target', scratch,
-               *target, *[w for f in files for w in ('-r', f)], '-c', constraints]
+      pip = [sys.executable, '-m', 'pip']
+      target = ['--python-version', version, *[f'--platform={p}' for p in PLATFORMS]]
+    command = [*pip, 'install', '--dry-run', '--ignore-installed', '--disable-pip-version-check',
+               '--only-binary=:all:', '--use-feature=fast-deps', '--no-cache-dir',
+               '--target', scratch, *target,
+               *[w for f in files for w in ('-r', f)], '-c', constraints]
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=1200)
   return how, done.returncode, done.stdout + done.stderr
 
