@@ -1,25 +1,41 @@
 # SPDX-License-Identifier: BSD-3-Clause
 """ImageNet-style image folders (ROOT/SPLIT/CLASS/*.jpg) for the image-folder scripts and
-the shard writer: checked at start, read with one line for a corrupt file."""
+the shard writer: checked at start, read as uint8 tensors (the loop normalises them on the
+device), with one line for a corrupt file."""
 
+import io
 import os
 
+import numpy as np
+import torch
 import torchvision
 from PIL import Image
+from torchvision.io import ImageReadMode, decode_jpeg
+from torchvision.transforms import v2
 
 from utils import BadDataError, UsageError
 
 IMG_EXTENSIONS = torchvision.datasets.folder.IMG_EXTENSIONS
-MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)  # ImageNet's, as torchvision uses
 
 
 def load_image(path):
-  """ImageFolder's loader, but a corrupt file names itself instead of a PIL traceback."""
+  """The image at path as a uint8 RGB tensor (3 x H x W): a JPEG by torchvision's decoder
+  (libjpeg-turbo, no PIL image on the way), any other file (PNG, ...) by PIL; a corrupt file
+  names itself in one line instead of a traceback."""
   try:
     with open(path, 'rb') as f:
-      return Image.open(f).convert('RGB')
+      data = f.read()
+    if data[:3] == b'\xff\xd8\xff':
+      try:
+        return decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8),
+                           mode=ImageReadMode.RGB)
+      except RuntimeError:
+        pass  # PIL reads some that libjpeg refuses here, and says what is wrong with the rest.
+    with Image.open(io.BytesIO(data)) as image:
+      return torch.from_numpy(np.array(image.convert('RGB'))).permute(2, 0, 1).contiguous()
   except OSError as e:  # PIL.UnidentifiedImageError and truncated files are OSErrors.
-    raise BadDataError(f'cannot read image {path} ({e}): replace or remove the file') from None
+    why = 'not an image file' if isinstance(e, Image.UnidentifiedImageError) else e
+    raise BadDataError(f'cannot read image {path} ({why}): replace or remove the file') from None
 
 
 def check(root, splits):
@@ -84,12 +100,10 @@ def _link_in(path, folder):
 
 def load(root, img_dim):
   """(train, val) ImageFolder datasets of root/train and root/val, checked, with the usual
-  ImageNet augmentation (train) and centre crop (val) to img_dim x img_dim."""
-  T = torchvision.transforms
+  ImageNet augmentation (train) and centre crop (val) to img_dim x img_dim, on uint8 tensors:
+  a quarter of float32's bytes go to the replica and the device, which normalises them."""
   train_set, val_set = check(root, ('train', 'val'))
   # Resize to 256/224 of the crop for evaluation, as torchvision's references do at 224 px.
-  train_set.transform = T.Compose([T.RandomResizedCrop(img_dim), T.RandomHorizontalFlip(),
-                                   T.ToTensor(), T.Normalize(MEAN, STD)])
-  val_set.transform = T.Compose([T.Resize(img_dim * 256 // 224), T.CenterCrop(img_dim),
-                                 T.ToTensor(), T.Normalize(MEAN, STD)])
+  train_set.transform = v2.Compose([v2.RandomResizedCrop(img_dim), v2.RandomHorizontalFlip()])
+  val_set.transform = v2.Compose([v2.Resize(img_dim * 256 // 224), v2.CenterCrop(img_dim)])
   return train_set, val_set

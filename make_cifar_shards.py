@@ -91,7 +91,7 @@ def read_image_folder(root):
     for label, cls in enumerate(classes):
       for entry in sorted(os.scandir(os.path.join(root, name, cls)), key=lambda e: e.name):
         if entry.is_file() and entry.name.lower().endswith(image_folders.IMG_EXTENSIONS):
-          image = np.asarray(image_folders.load_image(entry.path))
+          image = image_folders.load_image(entry.path).permute(1, 2, 0).numpy()  # H x W x C
           if image.shape != (shard_format.SIDE, shard_format.SIDE, 3):
             raise utils.UsageError(f'{entry.path} is {image.shape[1]}x{image.shape[0]}: '
                                    'CIFAR shards hold 32x32 images')

@@ -112,8 +112,10 @@ def build_model(cfg, num_classes):
 
 def build_datasets(cfg):
   """(training set, evaluation set, class count) of a run without --fake_data: map-style
-  datasets of (C x H x W float tensor, integer label below the class count), all of one
-  shape. Here: --datadir's ImageNet-style folders. A utils.UsageError is said in one line.
+  datasets of (C x H x W uint8 or float tensor, integer label below the class count), all of
+  one shape. The step normalises uint8 images on the device (utils.normalize, ImageNet's mean
+  and std); float ones reach the model as they are. Here: --datadir's ImageNet-style folders,
+  as uint8. A utils.UsageError is said in one line.
   Called on every host; their first and last samples are checked."""
   if not cfg.datadir:
     raise utils.UsageError('give --datadir DIR (DIR/train/CLASS/*.jpg, DIR/val/CLASS/*.jpg) '
@@ -220,7 +222,7 @@ def train_step(model, optimizer, scheduler, images, labels, amp):
   # --amp: convolutions and matmuls in bfloat16, weights, optimizer and reductions in float32
   # (bfloat16 has float32's range: no gradient scaler).
   with torch.autocast('xla', dtype=torch.bfloat16, enabled=amp):
-    loss = F.cross_entropy(model(images), labels)  # The mean over the global batch.
+    loss = F.cross_entropy(model(utils.normalize(images)), labels)  # The mean over the global batch.
   loss.backward()
   # Not xm.optimizer_step: the compiler has already summed the gradients over the mesh.
   optimizer.step()
@@ -263,7 +265,7 @@ def evaluate(model, loader, amp):
   with torch.no_grad(), torch.autocast('xla', dtype=torch.bfloat16, enabled=amp):
     for batch in loader:
       images, labels = batch['images'], batch['labels']
-      hits = (model(images).argmax(dim=1) == labels).sum()
+      hits = (model(utils.normalize(images)).argmax(dim=1) == labels).sum()
       counts += torch.stack([hits, (labels >= 0).sum()])
   correct, total = counts.tolist()
   return 100.0 * correct / max(total, 1), correct, total

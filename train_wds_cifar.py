@@ -37,7 +37,6 @@ import torch_xla.test.test_utils as test_utils
 import webdataset as wds
 from absl import app, flags
 from torch.utils.tensorboard import SummaryWriter
-from torchvision.transforms import v2
 
 import checkpoints
 import shard_format
@@ -107,8 +106,6 @@ ELSEWHERE = {'img_dim': 'this script trains on 32x32 CIFAR images, as the shards
                         'make_cifar_shards.py); --datadir belongs to the image-folder scripts',
              'fake_data': 'this script trains on shards; --fake_data belongs to the '
                           'image-folder scripts'}
-CIFAR_MEAN = (0.4914, 0.4822, 0.4465)
-CIFAR_STD = (0.2470, 0.2435, 0.2616)
 
 
 # ------------------------------------------------------------------------------ data
@@ -241,10 +238,10 @@ def load_data(cfg, rank, world_size):
 
 # ------------------------------------------------------------------------ your model
 def build_model(cfg, num_classes):
-  """The model to train: a torch.nn.Module from a uint8 batch (N, 3, 32, 32) to logits (N,
-  num_classes). Here: the torchvision ResNet --model names, with the CIFAR stem. Put yours
-  here (keep cifar_resnet's first two layers, which make floats of the uint8 images); a
-  --model name of your own is then accepted. Images of another format or size: the place
+  """The model to train: a torch.nn.Module from a float batch (N, 3, 32, 32) to logits (N,
+  num_classes); the shards' uint8 images are normalised in the step, on the device
+  (utils.normalize, CIFAR-10's mean and std). Here: the torchvision ResNet --model names,
+  with the CIFAR stem. Put yours here; a --model name of your own is then accepted. Images of another format or size: the place
   is shard_format.decode. Called in main, to check, and in every replica."""
   if not cfg.model.startswith(('resnet', 'resnext', 'wide_resnet')):
     raise utils.UsageError(f'--model {cfg.model} is not a torchvision ResNet (resnet18, resnet50, '
@@ -260,10 +257,7 @@ def cifar_resnet(name, num_classes):
   model.conv1 = torch.nn.Conv2d(3, model.conv1.out_channels, 3, 1, 1, bias=False)
   torch.nn.init.kaiming_normal_(model.conv1.weight, mode='fan_out', nonlinearity='relu')
   model.maxpool = torch.nn.Identity()
-  # The images come as uint8 and are normalised on the device: a quarter of float32's bytes
-  # cross from the host.
-  return torch.nn.Sequential(v2.ToDtype(torch.float32, scale=True),
-                             v2.Normalize(CIFAR_MEAN, CIFAR_STD), model)
+  return model
 
 
 # ------------------------------------------------------------------------------ loop
@@ -299,7 +293,10 @@ def train_step(model, optimizer, scheduler, images, labels, amp):
   # --amp: convolutions and matmuls in bfloat16, weights, optimizer and reductions in float32
   # (bfloat16 has float32's range: no gradient scaler).
   with torch.autocast('xla', dtype=torch.bfloat16, enabled=amp):
-    loss = F.cross_entropy(model(images), labels)
+    # The images come as uint8 and are normalised here, on the device: a quarter of float32's
+    # bytes cross from the host.
+    loss = F.cross_entropy(model(utils.normalize(images, utils.CIFAR_MEAN, utils.CIFAR_STD)),
+                           labels)
   loss.backward()
   xm.optimizer_step(optimizer)  # All-reduces the gradients over every replica, then steps.
   if scheduler is not None:
@@ -338,7 +335,8 @@ def evaluate(model, loader, amp):
   counts = torch.zeros(2, dtype=torch.int64, device=torch_xla.device())
   with torch.no_grad(), torch.autocast('xla', dtype=torch.bfloat16, enabled=amp):
     for images, labels in loader:
-      hits = (model(images).argmax(dim=1) == labels).sum()
+      logits = model(utils.normalize(images, utils.CIFAR_MEAN, utils.CIFAR_STD))
+      hits = (logits.argmax(dim=1) == labels).sum()
       counts += torch.stack([hits, (labels >= 0).sum()])
   # Sums, not a mean of replica accuracies: replicas may hold different numbers of images.
   correct, total = xm.all_reduce(xm.REDUCE_SUM, counts).tolist()

@@ -6,6 +6,7 @@ FLAGS or holds a script's choices."""
 import collections
 import concurrent.futures
 import contextlib
+import functools
 import io
 import itertools
 import json
@@ -37,6 +38,9 @@ EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a Ctrl-C.
 # after the button that sends it.
 INTERRUPT = os.environ.get('INTERRUPT_NAME', 'Ctrl-C')
 REMOTE_SECONDS = 20  # The wait at start for a bucket or server (gcsfs alone retries ~35 s).
+# Per-channel mean and std of the pixels (0 to 1) that normalize() uses for uint8 images.
+IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)  # as torchvision's
+CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)  # CIFAR-10's train
 
 # gcsfs and google-auth log each retry and credential fallback, tracebacks included, through
 # absl's handler: a bucket out of reach was a hundred lines. The scripts say it in one.
@@ -124,10 +128,28 @@ def create_model(name, num_classes):
   return torchvision.models.get_model(name, weights=None, num_classes=num_classes, **aux)
 
 
+def normalize(images, mean=IMAGENET_MEAN, std=IMAGENET_STD):
+  """What the model gets of a batch, inside the step on the device: uint8 images (0 to 255)
+  as floats normalised per channel, (x / 255 - mean) / std, in the step's graph; float images
+  as they are (a dataset that normalises its own)."""
+  if images.dtype != torch.uint8:
+    return images
+  shift, scale = _channel_constants(mean, std, str(images.device))
+  return images.float().sub_(shift).mul_(scale)  # two elementwise ops
+
+
+@functools.lru_cache
+def _channel_constants(mean, std, device):
+  """255 x mean and 1 / (255 x std) as C x 1 x 1 tensors on the device, made once (not sent
+  at every step)."""
+  return (torch.tensor([255 * m for m in mean], device=device).view(-1, 1, 1),
+          torch.tensor([1 / (255 * s) for s in std], device=device).view(-1, 1, 1))
+
+
 def check_datasets(train_set, eval_set, num_classes):
   """What a script's build_datasets made, checked at start on the first and last sample of
-  each set: (C x H x W float tensor, integer label below num_classes), one shape in both.
-  Returns a line that says what the data is."""
+  each set: (C x H x W uint8 or float tensor, integer label below num_classes), one shape and
+  dtype in both. Returns a line that says what the data is."""
   shapes = {}
   for name, dataset in (('training', train_set), ('evaluation', eval_set)):
     if not hasattr(dataset, '__len__') or len(dataset) == 0:
@@ -136,18 +158,20 @@ def check_datasets(train_set, eval_set, num_classes):
     for index in sorted({0, len(dataset) - 1}):
       where, sample = f'{name} sample {index}', dataset[index]
       image, label = sample if isinstance(sample, (tuple, list)) and len(sample) == 2 else (0, 0)
-      if not (torch.is_tensor(image) and image.dim() == 3 and image.is_floating_point()):
-        raise UsageError(f'build_datasets: {where} is {_kind(sample)}: give (C x H x W float '
-                         'tensor, label)')
+      if not (torch.is_tensor(image) and image.dim() == 3 and
+              (image.is_floating_point() or image.dtype == torch.uint8)):
+        raise UsageError(f'build_datasets: {where} is {_kind(sample)}: give (C x H x W uint8 '
+                         'or float tensor, label)')
       label = label.item() if torch.is_tensor(label) and label.dim() == 0 else label
       if not (isinstance(label, numbers.Integral) and 0 <= label < num_classes):
         raise UsageError(f'build_datasets: {where} has label {_kind(label)}: give integers '
                          f'from 0 to {num_classes - 1} (the class count it returned)')
-      shapes.setdefault('x'.join(map(str, image.shape)), where)
+      shapes.setdefault('x'.join(map(str, image.shape)) + ' ' + str(image.dtype)[6:], where)
   if len(shapes) > 1:
     (shape, where), (other, other_where) = list(shapes.items())[:2]
     raise UsageError(f'build_datasets: {other_where} is {other}, {where} is {shape}: give samples '
-                     'of one shape (batches stack them; a new shape compiles a new graph)')
+                     'of one shape and dtype (batches stack them; a new shape compiles a new '
+                     'graph)')
   return (f'Data: {len(train_set):,} training and {len(eval_set):,} evaluation samples of '
           f'{next(iter(shapes))}, {num_classes} classes')
 

@@ -91,13 +91,14 @@ def write_image(path, colour, size, rng):
 
 
 def make_image_folder(root, split, per_class, size=32, seed=0, colours=COLOURS):
-  """root/split/CLASS/i.png with per_class noisy images of each class's colour."""
+  """root/split/CLASS/i.png with per_class noisy images of each class's colour; every third
+  one (2, 5, ...) is i.jpg instead, read by the other decoder (torchvision's, not PIL)."""
   rng = np.random.default_rng(seed)
   for name, colour in colours.items():
     folder = pathlib.Path(root, split, name)
     folder.mkdir(parents=True, exist_ok=True)
     for i in range(per_class):
-      write_image(folder / f'{i}.png', colour, size, rng)
+      write_image(folder / f'{i}{".jpg" if i % 3 == 2 else ".png"}', colour, size, rng)
   return pathlib.Path(root)
 
 

@@ -101,7 +101,7 @@ def test_readme_adapt_it_example_learns_in_a_project_with_its_own_utils(tmp_path
                           timeout=600)
   assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
   # The first lines say what it trains, as the README shows them.
-  assert re.search(r'^Data: 512 training and 100 evaluation samples of 3x24x24, 3 classes\n'
+  assert re.search(r'^Data: 512 training and 100 evaluation samples of 3x24x24 float32, 3 classes\n'
                    r'Model: smallcnn \(Sequential, [\d.]+M parameters, 3 classes\)\n'
                    r'Recipe: SGD, lr 0\.02 constant', result.stdout, re.M), result.stdout[:2000]
   results = read_json(tmp_path / 'r.json')

@@ -57,7 +57,7 @@ def test_learns_with_warmup_and_decay_and_counts_exactly(tmp_path, colour_folder
   cpus = len(os.sched_getaffinity(0))
   assert re.match(
       rf'--num_workers 64 is more than the {cpus} CPUs this process may use: using {cpus}\n'
-      r'Data: 256 training and 21 evaluation samples of 3x32x32, 4 classes\n'
+      r'Data: 256 training and 21 evaluation samples of 3x32x32 uint8, 4 classes\n'
       r'Model: resnet18 \(ResNet, 11\.18M parameters, 4 classes\)\n'
       r'Recipe: SGD, lr 0\.03 linear warm-up over 0\.25 epochs, then divided by 5 every 2 epochs, '
       r'momentum 0\.9, weight decay 0\.0001 \(.*\)\n'

@@ -1,0 +1,99 @@
+# SPDX-License-Identifier: BSD-3-Clause
+"""The image folders as the scripts read them: uint8 images from torchvision's JPEG decoder
+or PIL with the pixels PIL gives, one line for a file neither can read, the augmentation on
+uint8 tensors, and the normalisation the step does on the XLA device."""
+
+import io
+import re
+
+import numpy as np
+import pytest
+import torch
+import torch_xla
+import torchvision
+from PIL import Image
+
+import image_folders
+import utils
+
+SEED = 7
+
+
+def photo(mode, rng=None):
+  """A smooth 40x30 picture with some noise (JPEG's usual content), in PIL mode `mode`."""
+  rng = rng or np.random.default_rng(SEED)
+  y, x = np.mgrid[0:30, 0:40]
+  rgb = np.stack([x * 6, y * 8, (x + y) * 3], -1) + rng.integers(0, 20, (30, 40, 3))
+  return Image.fromarray(np.clip(rgb, 0, 255).astype(np.uint8)).convert(mode)
+
+
+@pytest.mark.parametrize('name, mode, options', [
+    ('rgb.jpg', 'RGB', dict(quality=90)),
+    ('progressive.jpg', 'RGB', dict(quality=90, progressive=True)),
+    ('gray.jpg', 'L', {}),
+    ('cmyk.jpg', 'CMYK', {}),
+    ('rgba.png', 'RGBA', {}),
+    ('palette.png', 'P', {}),
+    ('rgb.webp', 'RGB', dict(lossless=True)),
+])
+def test_every_file_reads_as_the_rgb_pixels_pil_gives(tmp_path, name, mode, options):
+  print('seed', SEED)
+  path = tmp_path / name
+  photo(mode).save(path, **options)
+  image = image_folders.load_image(path)
+  assert image.dtype == torch.uint8 and image.shape == (3, 30, 40)
+  with Image.open(path) as expected:
+    expected = np.asarray(expected.convert('RGB'))
+  # libjpeg-turbo in both; a CMYK JPEG's inversion may round one level apart.
+  difference = np.abs(image.permute(1, 2, 0).numpy().astype(int) - expected).max()
+  assert difference <= (1 if mode == 'CMYK' else 0), difference
+
+
+@pytest.mark.parametrize('name, cut', [('truncated.jpg', 0.5), ('header-only.jpg', 0.02),
+                                       ('noise.jpg', None), ('truncated.png', 0.5)])
+def test_a_file_that_cannot_be_read_is_one_line_naming_it(tmp_path, name, cut):
+  with io.BytesIO() as f:
+    photo('RGB').save(f, format='PNG' if name.endswith('png') else 'JPEG')
+    data = f.getvalue()
+  path = tmp_path / name
+  path.write_bytes(data[:max(4, int(len(data) * cut))] if cut else
+                   np.random.default_rng(SEED).bytes(3000))
+  with pytest.raises(utils.BadDataError) as error:
+    image_folders.load_image(path)
+  assert re.fullmatch(rf'cannot read image {re.escape(str(path))} \([^\n]+\): replace or remove '
+                      r'the file', str(error.value)), error.value
+
+
+def test_folders_give_uint8_crops_seeded_per_sample(tmp_path):
+  for split in ('train', 'val'):
+    for i in range(3):
+      (tmp_path / split / f'c{i}').mkdir(parents=True)
+      photo('RGB', np.random.default_rng(i)).save(tmp_path / split / f'c{i}' / f'{i}.jpg')
+  train, val = image_folders.load(tmp_path, 24)
+  seeded = utils.SeededSamples(train)
+  first, label = seeded[(SEED, 1)]
+  assert first.dtype == torch.uint8 and first.shape == (3, 24, 24) and label == 1
+  assert torch.equal(seeded[(SEED, 1)][0], first)  # the same seed, the same crop and flip
+  assert not torch.equal(seeded[(SEED + 1, 1)][0], first)
+  image, label = val[2]
+  # Evaluation: resized to 27 (256/224 of 24) on the short side, the centre 24x24.
+  resized = torchvision.transforms.v2.functional.resize(image_folders.load_image(
+      tmp_path / 'val' / 'c2' / '2.jpg'), 27)
+  assert torch.equal(image, torchvision.transforms.v2.functional.center_crop(resized, 24))
+  assert utils.check_datasets(train, val, 3) == ('Data: 3 training and 3 evaluation samples of '
+                                                  '3x24x24 uint8, 3 classes')
+
+
+def test_the_step_normalises_uint8_on_the_device_as_torchvision_does_on_the_host():
+  rng = np.random.default_rng(SEED)
+  images = torch.from_numpy(rng.integers(0, 256, (4, 3, 8, 8), dtype=np.uint8))
+  host = torchvision.transforms.Normalize(utils.IMAGENET_MEAN, utils.IMAGENET_STD)(
+      images.float() / 255)
+  device = utils.normalize(images.to(torch_xla.device())).cpu()
+  assert device.dtype == torch.float32
+  torch.testing.assert_close(device, host, rtol=0, atol=1e-5)
+  cifar = utils.normalize(images.to(torch_xla.device()), utils.CIFAR_MEAN, utils.CIFAR_STD)
+  assert cifar.cpu()[0, 0, 0, 0] == pytest.approx((images[0, 0, 0, 0] / 255 - 0.4914) / 0.2470)
+  # A dataset of floats normalises its own: they reach the model as they are.
+  floats = torch.rand(2, 3, 4, 4)
+  assert utils.normalize(floats) is floats
