@@ -1,7 +1,14 @@
 # SPDX-License-Identifier: BSD-3-Clause
-"""Host input pipeline for 32x32 images: samples/s of train_wds_cifar.py's shard pipeline,
-over shards of each image format it reads, against torchvision ImageFolder over the same
-images as loose PNG files.
+"""Host input pipelines: photos for the image-folder scripts, 32x32 images for the shards.
+
+Photos: images/s and bytes per batch of the image-folder scripts' training pipeline
+(image_folders.load: torchvision's JPEG decoder, crop and flip on uint8 tensors, each
+sample seeded as the scripts seed it) against upstream's (PIL, RandomResizedCrop, flip,
+ToTensor and Normalize on the host), at 224 px, over JPEG photos of 500x375 (ImageNet's
+usual size) cut from matplotlib's sample photo and re-encoded: nothing is downloaded.
+
+32x32: samples/s of train_wds_cifar.py's shard pipeline, over shards of each image format
+it reads, against torchvision ImageFolder over the same images as loose PNG files.
 
 Every pipeline does what a CIFAR training step needs: read, decode, random crop with 4 px
 padding, horizontal flip, batch. ImageFolder also converts to float and normalises on the
@@ -10,10 +17,11 @@ and sends uint8. The shards: raw bytes and PNG as make_cifar_shards.py writes th
 (--format rgb, png), PPM as the Cloud TPU WebDataset tutorial writes them (webdataset's
 ShardWriter and PIL images). Prints a markdown table.
 
-  python benchmarks/input_pipeline.py            # 10,000 images, about 4 minutes
+  python benchmarks/input_pipeline.py            # 10,000 images, about 5 minutes
   python benchmarks/input_pipeline.py --quick    # 1,000 images, a smoke test
 
---batch_size (128) is train_wds_cifar.py's flag.
+--batch_size (128) is train_wds_cifar.py's flag, and also the photos' batch (the
+image-folder scripts' default).
 """
 
 import io
@@ -25,6 +33,7 @@ import tempfile
 import time
 from types import SimpleNamespace
 
+import matplotlib.cbook
 import numpy as np
 import torch
 import torchvision
@@ -33,6 +42,7 @@ from absl import app, flags
 from PIL import Image
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+import image_folders  # noqa: E402
 import shard_format  # noqa: E402
 import train_wds_cifar  # noqa: E402
 import utils  # noqa: E402
@@ -52,6 +62,40 @@ def make_images(root, count, classes=10):
   for i, (image, label) in enumerate(zip(images, labels)):
     Image.fromarray(image).save(root / f'class{label}' / f'{i}.png')
   return images, labels
+
+
+def make_photos(root, count, classes=4):
+  """count JPEG photos of 500x375 in root/train/CLASS/ and root/val/CLASS/ (the same ones):
+  crops of matplotlib's sample photo (512x600) at seeded places, every other one mirrored,
+  saved at quality 90 (ImageNet's are about 110 KB at this size; these about 60 KB)."""
+  rng = np.random.default_rng(0)
+  photo = Image.open(matplotlib.cbook.get_sample_data('grace_hopper.jpg')).convert('RGB')
+  for i in range(count):
+    left, top = rng.integers(0, photo.width - 500 + 1), rng.integers(0, photo.height - 375 + 1)
+    crop = photo.crop((left, top, left + 500, top + 375))
+    if i % 2:
+      crop = crop.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+    for split in ('train', 'val'):
+      folder = root / split / f'class{i % classes}'
+      folder.mkdir(parents=True, exist_ok=True)
+      crop.save(folder / f'{i}.jpg', quality=90)
+  return np.mean([path.stat().st_size for path in (root / 'train').glob('*/*.jpg')])
+
+
+def photo_loaders(root, workers, seed=0):
+  """{pipeline: a DataLoader of 224 px training batches} for upstream's and ours."""
+  T = torchvision.transforms
+  upstream = torchvision.datasets.ImageFolder(root / 'train', T.Compose([
+      T.RandomResizedCrop(224), T.RandomHorizontalFlip(), T.ToTensor(),
+      T.Normalize(utils.IMAGENET_MEAN, utils.IMAGENET_STD)]))
+  ours = image_folders.load(root, 224)[0]
+  options = dict(batch_size=FLAGS.batch_size, num_workers=workers, drop_last=True,
+                 persistent_workers=workers > 0)
+  sampler = utils.EpochSampler(ours, 0, 1, seed, FLAGS.batch_size)
+  return {'upstream: PIL, ToTensor, Normalize (float32)': torch.utils.data.DataLoader(
+              upstream, shuffle=True, **options),
+          'ours: torchvision.io, uint8': torch.utils.data.DataLoader(
+              utils.SeededSamples(ours), sampler=sampler, **options)}
 
 
 def rate(loader, passes):
@@ -111,8 +155,35 @@ def decode_costs(images):
   return costs
 
 
+def photo_table(count, passes):
+  """Prints the photos' table, a row per pipeline and worker count."""
+  machine = f'{platform.processor() or platform.machine()}, {os.cpu_count()} cores'
+  with tempfile.TemporaryDirectory() as tmp:
+    size = make_photos(pathlib.Path(tmp), count)
+    print(f'Photos: {count} JPEGs of 500x375 (mean {size / 1000:.0f} KB) to 224 px training '
+          f'batches of {FLAGS.batch_size}, {machine}')
+    print()
+    print('| pipeline | workers | images/s | per core | / upstream | bytes per batch |')
+    print('| --- | --- | --- | --- | --- | --- |')
+    threads = torch.get_num_threads()
+    for workers in map(int, FLAGS.workers):
+      # One core for the loop without workers too (each worker runs one thread): per core.
+      torch.set_num_threads(1 if workers == 0 else threads)
+      upstream = None
+      for name, loader in photo_loaders(pathlib.Path(tmp), workers).items():
+        images = rate(loader, passes)
+        upstream = upstream or images
+        batch = next(iter(loader))
+        print(f'| {name} | {workers} | {images:,.0f} | {images / max(1, workers):,.0f} | '
+              f'{images / upstream:.2f}x | {sum(t.nbytes for t in batch) / 1e6:.1f} MB |',
+              flush=True)
+    torch.set_num_threads(threads)
+  print()
+
+
 def main(argv):
   del argv
+  photo_table(*((2 * FLAGS.batch_size, 1) if FLAGS.quick else (8 * FLAGS.batch_size, 3)))
   count = 1000 if FLAGS.quick else 10000
   passes = 1 if FLAGS.quick else 5
   rows = []
@@ -129,7 +200,7 @@ def main(argv):
     T = torchvision.transforms
     folder = torchvision.datasets.ImageFolder(tmp / 'png', T.Compose([
         T.RandomCrop(32, padding=4), T.RandomHorizontalFlip(), T.ToTensor(),
-        T.Normalize(train_wds_cifar.CIFAR_MEAN, train_wds_cifar.CIFAR_STD)]))
+        T.Normalize(utils.CIFAR_MEAN, utils.CIFAR_STD)]))
     for workers in map(int, FLAGS.workers):
       folder_loader = torch.utils.data.DataLoader(folder, FLAGS.batch_size, shuffle=True,
                                                   num_workers=workers, drop_last=True,

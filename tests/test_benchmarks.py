@@ -33,6 +33,10 @@ def test_benchmark_prints_its_tables_row_by_row():
   assert re.search(r'resumed at epoch 2 step 1: start to first new step \| [\d.]+ s \|$', out, re.M)
   decoders = re.findall(r'^\| (\w+) \| [\d.]+ \| [\d,]+ \|$', out, re.M)
   assert decoders == ['rgb', 'ppm', 'png', 'jpg', 'webp', 'npy'], out
+  # The photos: upstream's pipeline sends float32 batches, ours uint8 (a quarter).
+  photos = re.findall(r'^\| (upstream|ours)[^|]* \| (\d) \| [\d,]+ \| [\d,]+ \| [\d.]+x \| '
+                      r'([\d.]+) MB \|$', out, re.M)
+  assert photos == [(p, w, b) for w in '02' for p, b in (('upstream', '77.1'), ('ours', '19.3'))], out
   pipeline = re.findall(r'^\| ([^|]+) \| (\d) \| [\d,]+ \| [\d,]+ \| [\d.]+x \|$', out, re.M)
   sources = ['ImageFolder, loose PNG files', 'shards, rgb', 'shards, png', 'shards, ppm (tutorial)']
   assert pipeline == [(s, w) for w in '02' for s in sources], out
