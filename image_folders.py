@@ -6,7 +6,6 @@ device), with one line for a corrupt file."""
 import io
 import os
 
-import numpy as np
 import torch
 import torchvision
 from PIL import Image
@@ -32,7 +31,7 @@ def load_image(path):
       except RuntimeError:
         pass  # PIL reads some that libjpeg refuses here, and says what is wrong with the rest.
     with Image.open(io.BytesIO(data)) as image:
-      return torch.from_numpy(np.array(image.convert('RGB'))).permute(2, 0, 1).contiguous()
+      return v2.functional.pil_to_tensor(image.convert('RGB'))
   except OSError as e:  # PIL.UnidentifiedImageError and truncated files are OSErrors.
     why = 'not an image file' if isinstance(e, Image.UnidentifiedImageError) else e
     raise BadDataError(f'cannot read image {path} ({why}): replace or remove the file') from None

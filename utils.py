@@ -166,7 +166,8 @@ def check_datasets(train_set, eval_set, num_classes):
       if not (isinstance(label, numbers.Integral) and 0 <= label < num_classes):
         raise UsageError(f'build_datasets: {where} has label {_kind(label)}: give integers '
                          f'from 0 to {num_classes - 1} (the class count it returned)')
-      shapes.setdefault('x'.join(map(str, image.shape)) + ' ' + str(image.dtype)[6:], where)
+      kind = 'x'.join(map(str, image.shape)) + ' ' + str(image.dtype).removeprefix('torch.')
+      shapes.setdefault(kind, where)
   if len(shapes) > 1:
     (shape, where), (other, other_where) = list(shapes.items())[:2]
     raise UsageError(f'build_datasets: {other_where} is {other}, {where} is {shape}: give samples '

@@ -50,6 +50,7 @@ import utils  # noqa: E402
 FLAGS = flags.FLAGS
 flags.DEFINE_bool('quick', False, '1,000 images and one pass: checks that the benchmark runs.')
 flags.DEFINE_list('workers', ['0', '2'], 'DataLoader worker counts to measure.')
+MACHINE = f'{platform.processor() or platform.machine()}, {os.cpu_count()} cores'
 
 
 def make_images(root, count, classes=10):
@@ -157,11 +158,10 @@ def decode_costs(images):
 
 def photo_table(count, passes):
   """Prints the photos' table, a row per pipeline and worker count."""
-  machine = f'{platform.processor() or platform.machine()}, {os.cpu_count()} cores'
   with tempfile.TemporaryDirectory() as tmp:
     size = make_photos(pathlib.Path(tmp), count)
     print(f'Photos: {count} JPEGs of 500x375 (mean {size / 1000:.0f} KB) to 224 px training '
-          f'batches of {FLAGS.batch_size}, {machine}')
+          f'batches of {FLAGS.batch_size}, {MACHINE}')
     print()
     print('| pipeline | workers | images/s | per core | / upstream | bytes per batch |')
     print('| --- | --- | --- | --- | --- | --- |')
@@ -210,15 +210,14 @@ def main(argv):
       for name, urls in shards.items():
         shard_rate = rate(shard_loader(urls, count, workers), passes)
         rows.append((name, workers, shard_rate, shard_rate / folder_rate))
-  machine = f'{platform.processor() or platform.machine()}, {os.cpu_count()} cores'
-  print(f'Decoding one 32x32 noise image (shard_format.decode, mean of 1,000), {machine}')
+  print(f'Decoding one 32x32 noise image (shard_format.decode, mean of 1,000), {MACHINE}')
   print()
   print('| image file | us per image | bytes per image |')
   print('| --- | --- | --- |')
   for key, (micros, size) in decode_costs(images[:1000]).items():
     print(f'| {key} | {micros:.1f} | {size:,.0f} |')
   print()
-  print(f'Input pipeline, {count} images of 32x32, batch {FLAGS.batch_size}, {machine}')
+  print(f'Input pipeline, {count} images of 32x32, batch {FLAGS.batch_size}, {MACHINE}')
   print()
   print('| images | workers | samples/s | per core | / ImageFolder |')
   print('| --- | --- | --- | --- | --- |')
