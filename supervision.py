@@ -13,6 +13,7 @@ supervision...:` lines (and unindent what they hold) and the `__mp_main__` block
 import collections
 import concurrent.futures
 import contextlib
+import io
 import multiprocessing
 import os
 import select
@@ -54,6 +55,7 @@ def stop_on_signals():
   handler runs only if the kernel delivered the signal to that very thread: stop_signal
   also reads the wakeup pipe Python writes every signal to, from whichever thread got it."""
   global _wakeup
+  whole_lines()
   wakeup_read, wakeup_write = os.pipe()
   os.set_blocking(wakeup_read, False)
   os.set_blocking(wakeup_write, False)
@@ -61,6 +63,15 @@ def stop_on_signals():
     signal.signal(signum, _on_stop_signal)
   signal.set_wakeup_fd(wakeup_write)
   _wakeup = wakeup_read
+
+
+def whole_lines():
+  """Each line this process prints reaches the terminal, log or notebook in one write, so
+  that a line of another replica or thread cannot land inside it. With PYTHONUNBUFFERED=1
+  (common in containers and notebooks) print writes the text and its newline separately."""
+  for stream in (sys.stdout, sys.stderr):
+    if isinstance(stream, io.TextIOWrapper):
+      stream.reconfigure(line_buffering=True, write_through=False)
 
 
 def _on_stop_signal(signum, frame):
@@ -79,6 +90,7 @@ def run_watched(launcher, saving):
   (the OOM killer's, say) the thread kills the others and their loader workers and exits
   with that code (128 + N for signal N). saving: whether a stop saves a checkpoint (the
   line the first signal prints at once says so)."""
+  whole_lines()
   wakeup_read, wakeup_write = os.pipe()
   os.set_blocking(wakeup_write, False)
   for signum in STOP_SIGNALS:
@@ -114,8 +126,10 @@ def _watch(wakeup, launcher, saving):
             os.kill(pid, signum)
         if first:  # At once: the step and the save can take a minute, said or not.
           again = f'{utils.INTERRUPT} again to end at once'
-          print('Stopping after this step ' + (f'and saving ({again} without saving)' if saving
-                else f'(nothing is saved without --ckpt_dir; {again})'), flush=True)
+          sys.stdout.write('Stopping after this step ' + (  # One write: a whole line.
+              f'and saving ({again} without saving)\n' if saving
+              else f'(nothing is saved without --ckpt_dir; {again})\n'))
+          sys.stdout.flush()
     if launcher:
       _check_replicas()
 
