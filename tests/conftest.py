@@ -300,17 +300,3 @@ def assert_same_training(resumed_dir, reference_dir):
     assert torch.equal(ours['optimizer']['state'][index]['momentum_buffer'],
                        state['momentum_buffer']), index
 
-
-# The longest test files first (measured with --durations=0 on 2 cores: 465 s down to 86 s),
-# the rest after them as collected. --dist loadfile hands out whole files in collection
-# order, so the two workers end within a short file of each other, instead of one of them
-# starting a long file as the other runs out of work.
-LONGEST_FIRST = ['test_wds_cifar.py', 'test_resnet_mp.py', 'test_single_core.py',
-                 'test_faults.py', 'test_launch_pod.py', 'test_notebook.py',
-                 'test_resnet_spmd.py', 'test_resume.py', 'test_benchmarks.py', 'test_gke.py',
-                 'test_copy.py']
-
-
-def pytest_collection_modifyitems(items):
-  rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-  items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # Stable: tests keep their order.
