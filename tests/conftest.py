@@ -299,4 +299,3 @@ def assert_same_training(resumed_dir, reference_dir):
   for index, state in theirs['optimizer']['state'].items():
     assert torch.equal(ours['optimizer']['state'][index]['momentum_buffer'],
                        state['momentum_buffer']), index
-
