@@ -12,6 +12,7 @@ replica finishes the same step, the master saves, exit code 75 (130).
       --batch_size 16 --num_epochs 2 --num_steps 40 --log_steps 10
 """
 
+import os
 import sys
 import time
 from types import SimpleNamespace
@@ -26,13 +27,19 @@ import torch_xla.distributed.parallel_loader as pl
 import torch_xla.runtime as xr
 import torch_xla.test.test_utils as test_utils
 import torch_xla.utils.utils as xu
+import torchvision
 from absl import app, flags
 from torch.utils.tensorboard import SummaryWriter
+from torchvision.transforms import v2
 
-import checkpoints
-import image_folders
-import supervision
 import utils
+
+try:  # Optional: checks before the run starts and a watch over its processes (see its docstring).
+  import supervisor
+except ModuleNotFoundError as e:
+  if e.name != 'supervisor':
+    raise
+  supervisor = None
 
 FLAGS = flags.FLAGS
 flags.DEFINE_bool('fake_data', False, 'Train on constant fake batches instead of --datadir.')
@@ -79,12 +86,6 @@ flags.DEFINE_string('compile_cache_dir', None, "torch_xla's compile cache, on th
 # A notebook may import several scripts (the same flag names) or %run one again.
 utils.redefinable(FLAGS)
 
-# Flags that may change between a run and its resumption without changing what it computes.
-RESTART_FLAGS = {'resume', 'ckpt_dir', 'ckpt_every_steps', 'keep_checkpoints', 'num_epochs',
-                 'log_steps', 'logdir', 'results_json', 'metrics_debug', 'profile',
-                 'profiler_port', 'target_accuracy', 'num_workers', 'persistent_workers',
-                 'prefetch_factor', 'loader_prefetch_size', 'device_prefetch_size',
-                 'host_to_device_transfer_threads', 'num_cores', 'compile_cache_dir'}
 FAKE_TRAIN_SAMPLES, FAKE_TEST_SAMPLES, FAKE_CLASSES = 1_200_000, 50_000, 1000  # ImageNet's
 # Upstream's tuned resnet50 recipe (for 8 replicas of batch 128); other models get DEFAULTS.
 DEFAULTS = dict(lr=0.1, lr_scheduler_type='none')
@@ -109,7 +110,17 @@ def build_datasets(cfg):
   if not cfg.datadir:
     raise utils.UsageError('give --datadir DIR (DIR/train/CLASS/*.jpg, DIR/val/CLASS/*.jpg) '
                            'or --fake_data')
-  train_set, val_set = image_folders.load(cfg.datadir, cfg.img_dim)
+  if supervisor:  # Their layout, empty classes, links that reach an image twice: one line.
+    supervisor.check_image_folders(cfg.datadir, ('train', 'val'))
+  # torchvision's ImageNet crops on uint8 tensors (utils.load_image: JPEGs by libjpeg-turbo): a
+  # quarter of float32's bytes go to the replica and the device, which normalises them. The
+  # evaluation resize is 256/224 of the crop, as torchvision's references do at 224 px.
+  train_set = torchvision.datasets.ImageFolder(
+      os.path.join(cfg.datadir, 'train'), loader=utils.load_image,
+      transform=v2.Compose([v2.RandomResizedCrop(cfg.img_dim), v2.RandomHorizontalFlip()]))
+  val_set = torchvision.datasets.ImageFolder(
+      os.path.join(cfg.datadir, 'val'), loader=utils.load_image,
+      transform=v2.Compose([v2.Resize(cfg.img_dim * 256 // 224), v2.CenterCrop(cfg.img_dim)]))
   return train_set, val_set, len(train_set.classes)
 
 
@@ -161,8 +172,8 @@ def start_run(cfg, num_classes, steps_per_epoch, stop_signal):
                         stop=utils.StopVote(device, stop_signal, cfg.lr), stop_signal=stop_signal,
                         results=utils.new_results(cfg.model, amp=cfg.amp),
                         num_classes=num_classes, epoch=1, step=0, global_step=0)
-  state = checkpoints.resume(cfg.resume, cfg.ckpt_dir, (model, optimizer, scheduler),
-                             vars(cfg), RESTART_FLAGS, run.results['world_size'])
+  state = utils.resume(cfg.resume, cfg.ckpt_dir, (model, optimizer, scheduler),
+                             vars(cfg), run.results['world_size'])
   if state is not None:
     vars(run).update({key: state[key] for key in ('results', 'epoch', 'step', 'global_step')})
   run.log = utils.StepLog(device, writer, run.results['history'])  # After the restore.
@@ -230,7 +241,7 @@ def save_checkpoint(run, epoch, step, best=False):
                lr_scheduler=run.scheduler.state_dict() if run.scheduler else None, epoch=epoch,
                step=step, global_step=run.global_step, flags=vars(run.cfg),
                rng=dict(torch=torch.get_rng_state(), xla=xm.get_rng_state()), results=run.results)
-  return checkpoints.save(state, run.cfg.ckpt_dir, run.cfg.keep_checkpoints, best)
+  return utils.write_checkpoint(state, run.cfg.ckpt_dir, run.cfg.keep_checkpoints, best)
 
 
 def stop_run(run, epoch, step, saved=None):
@@ -285,7 +296,7 @@ def train(cfg, stop_signal):
       first_step = run.step if epoch == run.epoch else 0
       train_loader.set_epoch(epoch, first_step)  # Skips, on the host, what a resumed run trained.
       xm.master_print(f'Epoch {epoch} train begin {test_utils.now()}', flush=True)
-      start, executed = time.time(), utils.execute_seconds()
+      start = time.time()
       steps, stopped = train_one_epoch(run, train_device_loader, epoch, first_step)
       train_loader.check()
       xm.wait_device_ops()  # Time the device work, not just the tracing.
@@ -294,8 +305,6 @@ def train(cfg, stop_signal):
       results['train_seconds'] += seconds
       if stopped:
         return stop_run(run, epoch, first_step + steps)
-      if steps:
-        results['epoch_device_busy'].append((utils.execute_seconds() - executed) / seconds)
       print(f'Epoch {epoch} Replica Train Samples={steps * cfg.batch_size} Device={device}/{rank}',
             flush=True)
       rate = xm.mesh_reduce('epoch_rate', steps * cfg.batch_size / seconds, sum)
@@ -318,52 +327,36 @@ def _mp_fn(index, flag_values):
   """One replica. flag_values is a plain dict: absl's FLAGS do not cross the spawn."""
   del index  # The global ordinal comes from the runtime.
   cfg = SimpleNamespace(**flag_values)
-  with supervision.replica():  # A replica that fails ends at once, and so the whole run.
+  with utils.replica():  # A replica that fails ends at once, and so the whole run.
     utils.use_compile_cache(cfg.compile_cache_dir, xr.global_ordinal())  # Before any computation.
-    results = train(cfg, supervision.stop_signal)
+    results = train(cfg, utils.stop_signal)
     if xm.is_master_ordinal():
       utils.write_results(cfg.results_json, results)
   sys.exit(utils.exit_code(results, cfg.target_accuracy))
 
 
-def check_job(cfg):
-  """Builds the data and the model once, before any replica starts, and says what they are:
-  bad input is one line, not one per replica."""
-  if cfg.fake_data:
-    num_classes = FAKE_CLASSES
-    print(f'Data: fake, constant batches of 3x{cfg.img_dim}x{cfg.img_dim}, {num_classes} classes')
-  else:
-    train_set, test_set, num_classes = build_datasets(cfg)
-    print(utils.check_datasets(train_set, test_set, num_classes))
-    if cfg.num_workers and cfg.num_cores != 1:  # A replica's loader workers start by spawn.
-      utils.check_picklable(dict(training=train_set, evaluation=test_set))
-  print(utils.describe_model(cfg.model, build_model(cfg, num_classes), num_classes))
-  tuned = f"{cfg.model}'s tuned" if cfg.model in MODEL_DEFAULTS else 'the default'
-  print(utils.describe_recipe(cfg, f'{tuned} recipe where --lr or --lr_scheduler_type is unset'),
-        flush=True)
-
-
 def main(argv):
   del argv
-  flag_values = FLAGS.flag_values_dict()
-  for name, value in MODEL_DEFAULTS.get(FLAGS.model, DEFAULTS).items():
-    if flag_values[name] is None:
-      flag_values[name] = value
-  if not FLAGS.fake_data:  # Fake batches need no loader workers.
-    flag_values['num_workers'] = utils.usable_workers(FLAGS.num_workers,
-                                                     FLAGS['num_workers'].present)
-  utils.set_precision(FLAGS.amp, FLAGS.bf16)  # Before the runtime starts.
-  try:
-    check_job(SimpleNamespace(**flag_values))
-    utils.check_outputs(FLAGS.ckpt_dir, FLAGS.logdir, FLAGS.results_json,
-                        FLAGS.compile_cache_dir)
-  except (utils.UsageError, utils.BadDataError) as e:
-    utils.die(e)
-  print('Starting ' + ('one replica (--num_cores 1)' if FLAGS.num_cores == 1 else
-                       'one replica per local XLA device') + ' ...', flush=True)
-  # A stop signal stops every replica after a step; a failing one ends them all: see there.
-  with supervision.run_watched(launcher=FLAGS.num_cores != 1, saving=bool(FLAGS.ckpt_dir)):
-    torch_xla.launch(_mp_fn, args=(flag_values,), debug_single_process=FLAGS.num_cores == 1)
+  cfg = SimpleNamespace(**FLAGS.flag_values_dict())
+  for name, value in MODEL_DEFAULTS.get(cfg.model, DEFAULTS).items():
+    if getattr(cfg, name) is None:
+      setattr(cfg, name, value)
+  utils.set_precision(cfg.amp, cfg.bf16)  # Before the runtime starts.
+  if supervisor:  # Bad input is one line here, before any replica, not one per replica.
+    tuned = f"{cfg.model}'s tuned" if cfg.model in MODEL_DEFAULTS else 'the default'
+    try:
+      supervisor.check_job(cfg, build_datasets, build_model, FAKE_CLASSES, f'{tuned} recipe where '
+                           '--lr or --lr_scheduler_type is unset', FLAGS['num_workers'].present)
+    except (utils.UsageError, utils.BadDataError) as e:
+      utils.die(e)
+  launcher = utils.spawns_replicas(single_process=cfg.num_cores == 1)  # Not under torchrun.
+  print('Starting ' + ('one replica per local XLA device' if launcher else 'one replica (--num_cores 1)'
+                       if cfg.num_cores == 1 else 'the replica of this torchrun worker') + ' ...',
+        flush=True)
+  # SIGTERM and Ctrl-C stop every replica after the same step (see utils' stop section).
+  with (supervisor.watched(launcher, saving=bool(cfg.ckpt_dir)) if supervisor else
+        utils.stop_on_signals(launcher)):
+    torch_xla.launch(_mp_fn, args=(vars(cfg),), debug_single_process=cfg.num_cores == 1)
 
 
 def run(argv):
@@ -380,4 +373,4 @@ if __name__ == '__main__':
     app.run(main, flags_parser=utils.parse_flags)
 elif __name__ == '__mp_main__':
   # A replica imports this file in its main thread, the only one that may catch a signal.
-  supervision.stop_on_signals()
+  utils.stop_on_signals()

@@ -11,6 +11,7 @@ the same command started again goes on exactly where the last one stopped. SIGTE
       --batch_size 16 --num_epochs 1 --num_steps 40 --log_steps 10
 """
 
+import os
 import sys
 import time
 from types import SimpleNamespace
@@ -24,13 +25,19 @@ import torch_xla.debug.profiler as xp
 import torch_xla.distributed.parallel_loader as pl
 import torch_xla.test.test_utils as test_utils
 import torch_xla.utils.utils as xu
+import torchvision
 from absl import app, flags
 from torch.utils.tensorboard import SummaryWriter
+from torchvision.transforms import v2
 
-import checkpoints
-import image_folders
-import supervision
 import utils
+
+try:  # Optional: checks before the run starts and a watch over its processes (see its docstring).
+  import supervisor
+except ModuleNotFoundError as e:
+  if e.name != 'supervisor':
+    raise
+  supervisor = None
 
 FLAGS = flags.FLAGS
 flags.DEFINE_bool('fake_data', False, 'Train on constant fake batches instead of --datadir.')
@@ -75,12 +82,6 @@ flags.DEFINE_string('compile_cache_dir', None, "torch_xla's compile cache, on th
 # A notebook may import several scripts (the same flag names) or %run one again.
 utils.redefinable(FLAGS)
 
-# Flags that may change between a run and its resumption without changing what it computes.
-RESTART_FLAGS = {'resume', 'ckpt_dir', 'ckpt_every_steps', 'keep_checkpoints', 'num_epochs',
-                 'log_steps', 'logdir', 'results_json', 'metrics_debug', 'profile',
-                 'profiler_port', 'target_accuracy', 'num_workers', 'persistent_workers',
-                 'prefetch_factor', 'loader_prefetch_size', 'device_prefetch_size',
-                 'host_to_device_transfer_threads', 'compile_cache_dir'}
 FAKE_TRAIN_SAMPLES, FAKE_TEST_SAMPLES, FAKE_CLASSES = 1_200_000, 50_000, 1000  # ImageNet's
 
 
@@ -102,7 +103,17 @@ def build_datasets(cfg):
   if not cfg.datadir:
     raise utils.UsageError('give --datadir DIR (DIR/train/CLASS/*.jpg, DIR/val/CLASS/*.jpg) '
                            'or --fake_data')
-  train_set, val_set = image_folders.load(cfg.datadir, cfg.img_dim)
+  if supervisor:  # Their layout, empty classes, links that reach an image twice: one line.
+    supervisor.check_image_folders(cfg.datadir, ('train', 'val'))
+  # torchvision's ImageNet crops on uint8 tensors (utils.load_image: JPEGs by libjpeg-turbo): a
+  # quarter of float32's bytes go to the replica and the device, which normalises them. The
+  # evaluation resize is 256/224 of the crop, as torchvision's references do at 224 px.
+  train_set = torchvision.datasets.ImageFolder(
+      os.path.join(cfg.datadir, 'train'), loader=utils.load_image,
+      transform=v2.Compose([v2.RandomResizedCrop(cfg.img_dim), v2.RandomHorizontalFlip()]))
+  val_set = torchvision.datasets.ImageFolder(
+      os.path.join(cfg.datadir, 'val'), loader=utils.load_image,
+      transform=v2.Compose([v2.Resize(cfg.img_dim * 256 // 224), v2.CenterCrop(cfg.img_dim)]))
   return train_set, val_set, len(train_set.classes)
 
 
@@ -116,12 +127,9 @@ def load_data(cfg, rank, world_size):
       batch = (torch.zeros(batch_size, 3, cfg.img_dim, cfg.img_dim),
                torch.zeros(batch_size, dtype=torch.int64))
       return utils.EpochLoader(xu.SampleGenerator(batch, samples // world_size // batch_size), cap)
-    xm.master_print(f'Data: fake, constant batches of 3x{cfg.img_dim}x{cfg.img_dim}, '
-                    f'{FAKE_CLASSES} classes', flush=True)
     return (fake(cfg.batch_size, FAKE_TRAIN_SAMPLES),
             fake(cfg.test_set_batch_size, FAKE_TEST_SAMPLES), FAKE_CLASSES)
   train_set, test_set, num_classes = build_datasets(cfg)
-  xm.master_print(utils.check_datasets(train_set, test_set, num_classes), flush=True)
   # The order is a function of (seed, epoch) and each image is cropped by its own seed, so a
   # resumed run sees the very batches an uninterrupted one would.
   sampler = utils.EpochSampler(train_set, rank, world_size, cfg.seed, cfg.batch_size)
@@ -146,8 +154,6 @@ def start_run(cfg, num_classes, steps_per_epoch, stop_signal):
   there is one; run.epoch and run.step are where training goes on."""
   device = torch_xla.device()
   model = build_model(cfg, num_classes)
-  xm.master_print(utils.describe_model(cfg.model, model, num_classes), flush=True)
-  xm.master_print(utils.describe_recipe(cfg, 'set by --lr, --lr_scheduler_type, --momentum and --weight_decay'), flush=True)
   model = model.to(device)
   optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum,
                               weight_decay=cfg.weight_decay)
@@ -161,8 +167,8 @@ def start_run(cfg, num_classes, steps_per_epoch, stop_signal):
                         stop=utils.StopVote(device, stop_signal, cfg.lr), stop_signal=stop_signal,
                         results=utils.new_results(cfg.model, amp=cfg.amp),
                         num_classes=num_classes, epoch=1, step=0, global_step=0)
-  state = checkpoints.resume(cfg.resume, cfg.ckpt_dir, (model, optimizer, scheduler),
-                             vars(cfg), RESTART_FLAGS, run.results['world_size'])
+  state = utils.resume(cfg.resume, cfg.ckpt_dir, (model, optimizer, scheduler),
+                             vars(cfg), run.results['world_size'])
   if state is not None:
     vars(run).update({key: state[key] for key in ('results', 'epoch', 'step', 'global_step')})
   run.log = utils.StepLog(device, writer, run.results['history'])  # After the restore.
@@ -227,7 +233,7 @@ def save_checkpoint(run, epoch, step, best=False):
                lr_scheduler=run.scheduler.state_dict() if run.scheduler else None, epoch=epoch,
                step=step, global_step=run.global_step, flags=vars(run.cfg),
                rng=dict(torch=torch.get_rng_state(), xla=xm.get_rng_state()), results=run.results)
-  return checkpoints.save(state, run.cfg.ckpt_dir, run.cfg.keep_checkpoints, best)
+  return utils.write_checkpoint(state, run.cfg.ckpt_dir, run.cfg.keep_checkpoints, best)
 
 
 def stop_run(run, epoch, step, saved=None):
@@ -282,7 +288,7 @@ def train(cfg, stop_signal):
       first_step = run.step if epoch == run.epoch else 0
       train_loader.set_epoch(epoch, first_step)  # Skips, on the host, what a resumed run trained.
       xm.master_print(f'Epoch {epoch} train begin {test_utils.now()}', flush=True)
-      start, executed = time.time(), utils.execute_seconds()
+      start = time.time()
       steps, stopped = train_one_epoch(run, train_device_loader, epoch, first_step)
       train_loader.check()
       xm.wait_device_ops()  # Time the device work, not just the tracing.
@@ -291,8 +297,6 @@ def train(cfg, stop_signal):
       results['train_seconds'] += seconds
       if stopped:
         return stop_run(run, epoch, first_step + steps)
-      if steps:
-        results['epoch_device_busy'].append((utils.execute_seconds() - executed) / seconds)
       print(f'Epoch {epoch} Replica Train Samples={steps * cfg.batch_size} Device={device}/{rank}',
             flush=True)
       rate = steps * cfg.batch_size / seconds
@@ -315,15 +319,16 @@ def main(argv):
   del argv
   utils.set_precision(FLAGS.amp, FLAGS.bf16)  # Before the runtime starts.
   cfg = SimpleNamespace(**FLAGS.flag_values_dict())
-  if not cfg.fake_data:  # Fake batches need no loader workers.
-    cfg.num_workers = utils.usable_workers(cfg.num_workers, FLAGS['num_workers'].present)
-  # SIGTERM and Ctrl-C stop after a step; a second Ctrl-C ends the run at once.
-  with supervision.run_watched(launcher=False, saving=bool(FLAGS.ckpt_dir)):
+  # SIGTERM and Ctrl-C stop after a step with a checkpoint.
+  with (supervisor.watched(launcher=False, saving=bool(cfg.ckpt_dir)) if supervisor else
+        utils.stop_on_signals()):
     try:
-      utils.check_outputs(cfg.ckpt_dir, cfg.logdir, cfg.results_json,
-                          cfg.compile_cache_dir)
+      if supervisor:  # What runs, said first; bad input in one line.
+        supervisor.check_job(cfg, build_datasets, build_model, FAKE_CLASSES, 'set by --lr, '
+                             '--lr_scheduler_type, --momentum and --weight_decay',
+                             FLAGS['num_workers'].present)
       utils.use_compile_cache(cfg.compile_cache_dir)  # Before the first computation.
-      results = train(cfg, supervision.stop_signal)
+      results = train(cfg, utils.stop_signal)
       utils.write_results(cfg.results_json, results)
     except (utils.UsageError, utils.BadDataError) as e:
       utils.die(e)

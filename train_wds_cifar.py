@@ -17,14 +17,19 @@ With --ckpt_dir, the same command started again goes on exactly where the last o
 SIGTERM (Ctrl-C): every replica finishes the same step, the master saves, exit code 75 (130).
 """
 
+import io
 import itertools
 import random
+import re
 import sys
+import tarfile
 import time
 from types import SimpleNamespace
 
 import braceexpand
+import fsspec
 import numpy as np
+import PIL.Image
 import torch
 import torch.nn.functional as F
 import torch_xla
@@ -38,10 +43,14 @@ import webdataset as wds
 from absl import app, flags
 from torch.utils.tensorboard import SummaryWriter
 
-import checkpoints
-import shard_format
-import supervision
 import utils
+
+try:  # Optional: checks before the run starts and a watch over its processes (see its docstring).
+  import supervisor
+except ModuleNotFoundError as e:
+  if e.name != 'supervisor':
+    raise
+  supervisor = None
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string('wds_traindir', None, 'Training shards: a brace pattern of paths or URLs, e.g. '
@@ -92,14 +101,12 @@ flags.DEFINE_string('results_json', None, 'Write accuracy, rates and compile cou
 # A notebook may import several scripts (the same flag names) or %run one again.
 utils.redefinable(FLAGS)
 
-# Flags that may change between a run and its resumption without changing what it computes.
-RESTART_FLAGS = {'resume', 'ckpt_dir', 'ckpt_every_steps', 'keep_checkpoints', 'num_epochs',
-                 'log_steps', 'logdir', 'results_json', 'metrics_debug', 'profile',
-                 'profiler_port', 'target_accuracy', 'num_workers', 'prefetch_factor',
-                 'loader_prefetch_size', 'device_prefetch_size',
-                 'host_to_device_transfer_threads', 'fail_on_bad_data', 'num_cores',
-                 'compile_cache_dir'}
 # Flags of the image-folder scripts that a user may bring here.
+# The image files a sample may hold, tried in this order: raw bytes (make_cifar_shards.py),
+# the formats webdataset's ShardWriter writes from a PIL image, and numpy's.
+IMAGE_KEYS = ('rgb', 'ppm', 'png', 'jpg', 'jpeg', 'webp', 'npy')
+PPM_HEADER = re.compile(rb'P6\s+(\d+)\s+(\d+)\s+255\s')  # 8-bit binary RGB, no comment.
+SIDE = 32  # CIFAR images are 32x32 RGB.
 ELSEWHERE = {'img_dim': 'this script trains on 32x32 CIFAR images, as the shards hold them; '
                         '--img_dim belongs to the image-folder scripts',
              'datadir': 'give the shards with --wds_traindir and --wds_testdir (see '
@@ -109,14 +116,133 @@ ELSEWHERE = {'img_dim': 'this script trains on 32x32 CIFAR images, as the shards
 
 
 # ------------------------------------------------------------------------------ data
+class BadSample(ValueError):
+  """A sample that cannot be used, saying why."""
+
+
+class ForeignSample(BadSample):
+  """A sample that is not one of a set this script can read (keys, image size)."""
+
+
+def decode(sample):
+  """(image uint8 32x32x3, label) of a sample: the image from its rgb (3,072 raw bytes), ppm,
+  png, jpg, jpeg, webp (converted to RGB as PIL does) or npy (uint8 32x32x3) file, the label
+  from its cls file (ASCII digits: how ShardWriter writes an int). Shards of another image
+  format: add its file extension to IMAGE_KEYS and its decoding here."""
+  image_key = next((key for key in IMAGE_KEYS if key in sample), None)
+  if image_key is None or 'cls' not in sample:
+    found = ', '.join(sorted(key for key in sample if not key.startswith('__'))) or 'no file'
+    raise ForeignSample(f'holds {found}, where an image ({", ".join(IMAGE_KEYS)}) and a label '
+                        "(cls) are expected: write the shards with such keys, e.g. ShardWriter "
+                        "and {'ppm': PIL image, 'cls': int}, or with make_cifar_shards.py")
+  data = sample[image_key]
+  try:
+    if image_key == 'rgb':
+      image = np.frombuffer(data, np.uint8).reshape(SIDE, SIDE, 3)
+    elif image_key == 'npy':
+      image = np.load(io.BytesIO(data), allow_pickle=False)
+    elif image_key == 'ppm' and (header := PPM_HEADER.match(data)):  # Raw RGB: no PIL needed.
+      width, height = int(header[1]), int(header[2])
+      image = np.frombuffer(data, np.uint8, width * height * 3, header.end())
+      image = image.reshape(height, width, 3)
+    else:
+      with PIL.Image.open(io.BytesIO(data)) as pil:
+        image = np.asarray(pil.convert('RGB'))
+    label = int(sample['cls'])
+  except (ValueError, OSError, EOFError, SyntaxError) as e:  # What PIL and numpy raise.
+    raise BadSample(f'has no readable {image_key} image and cls label ({e!r})') from None
+  if image.shape != (SIDE, SIDE, 3) or image.dtype != np.uint8:
+    size = (f'{image.shape[1]}x{image.shape[0]}' if image.ndim == 3 and image.dtype == np.uint8
+            else f'a {image.dtype} array of shape {image.shape}')
+    raise ForeignSample(f'holds a {image_key} image of {size}: this script trains on 32x32 RGB '
+                        'images (uint8 arrays in npy); resize them when writing the shards')
+  return image, label
+
+
+def read_samples(urls, on_bad):
+  """(image uint8 HWC, label) of every sample of the shards in turn. A shard that cannot be
+  opened or read to the end, or a sample without a readable image and label, is passed
+  to on_bad(message), which raises or counts it, and reading goes on."""
+  for url in urls:
+    try:
+      # A pipe: command (e.g. 'pipe:gsutil cat gs://bucket/shard.tar') or an fsspec URL.
+      stream = wds.gopen(url) if url.startswith('pipe:') else fsspec.open(url, 'rb').open()
+      try:
+        whole = WholeTar(stream)
+        files = wds.tariterators.tar_file_expander([dict(url=url, stream=whole)])
+        for sample in wds.tariterators.group_by_keys(files):
+          try:
+            yield decode(sample)
+          except BadSample as e:
+            on_bad(f'sample {sample["__key__"]} of {url} {e}')
+        if whole.cut_short():
+          on_bad(f'shard {url} cannot be read to the end (it ends inside a tar header, '
+                 f'after {whole.size} bytes: the rest of it is lost)')
+      finally:
+        stream.close()
+    except utils.BadDataError:
+      raise
+    except Exception as e:  # A missing shard, a truncated or corrupt tar.
+      on_bad(f'shard {url} cannot be read to the end ({type(e).__name__}: '
+             f'{e.args[0] if e.args else e})')
+
+
+class WholeTar:
+  """A shard's bytes as tarfile reads them, which tell at their end whether the tar was whole:
+  tarfile takes a header cut short for the end of the archive, and says nothing, but a
+  whole tar ends in zero blocks (a compressed one is left to its decompressor)."""
+
+  def __init__(self, stream):
+    self.stream, self.size, self.head, self.tail = stream, 0, b'', b''
+
+  def read(self, size=-1):
+    data = self.stream.read(size)
+    self.head = self.head or data[:6]
+    self.size += len(data)
+    self.tail = (self.tail + data[-tarfile.BLOCKSIZE:])[-tarfile.BLOCKSIZE:]  # 1 KB, not the read
+    return data
+
+  def cut_short(self):
+    """Whether the stream, read to its end, is not a whole tar."""
+    while self.read(1 << 16):
+      pass
+    compressed = self.head.startswith((b'\x1f\x8b', b'BZh', b'\xfd7zXZ'))
+    return not compressed and (self.size % tarfile.BLOCKSIZE != 0 or
+                               self.tail != bytes(tarfile.BLOCKSIZE))
+
+
+class BadData:
+  """A missing or corrupt shard or sample: raised (strict), or counted in counts[slot] with a
+  warning line for the first few; counts may be a tensor that the loader workers of a
+  replica share (one slot each), so that a million bad samples are not a million lines."""
+  SHOWN = 5
+
+  def __init__(self, strict, counts=None, slot=0):
+    self.strict, self.slot = strict, slot
+    self.counts = torch.zeros(1, dtype=torch.int64) if counts is None else counts
+
+  @property
+  def count(self):
+    return int(self.counts[self.slot])
+
+  def __call__(self, message):
+    if self.strict:
+      raise utils.BadDataError(f'{message}: replace it, or drop --fail_on_bad_data to skip it')
+    self.counts[self.slot] += 1
+    shown = int(self.counts.sum())
+    if shown <= self.SHOWN:
+      more = ' (more are counted, not shown: see the count at the end)' if shown == self.SHOWN else ''
+      print(f'warning: {message}; skipped{more}', file=sys.stderr, flush=True)
+
+
 def augment(images, rng):
   """Random 32x32 crops of the images padded by 4 px and random horizontal flips, on a
   whole uint8 batch (N, H, W, C) at once: no per-image PIL work on the host."""
   n = len(images)
   padded = np.pad(images, ((0, 0), (4, 4), (4, 4), (0, 0)))
   top, left = rng.integers(0, 9, (2, n))
-  rows = top[:, None] + np.arange(shard_format.SIDE)
-  cols = left[:, None] + np.arange(shard_format.SIDE)
+  rows = top[:, None] + np.arange(SIDE)
+  cols = left[:, None] + np.arange(SIDE)
   cols = np.where(rng.random(n)[:, None] < 0.5, cols[:, ::-1], cols)
   return padded[np.arange(n)[:, None, None], rows[:, :, None], cols[:, None, :]]
 
@@ -162,7 +288,7 @@ class TrainShards(torch.utils.data.IterableDataset):
     sends a sample for every two it reads until full, starting once it holds a batch."""
     for pass_number in itertools.count():
       shuffle = wds.shuffle(self.cfg.shuffle_buffer, initial=self.cfg.batch_size, rng=rng)
-      read, samples = 0, shard_format.read_samples(rng.sample(shards, len(shards)), on_bad)
+      read, samples = 0, read_samples(rng.sample(shards, len(shards)), on_bad)
       for image, label in shuffle(samples):
         read += 1
         yield image, label, pass_number
@@ -174,7 +300,7 @@ class TrainShards(torch.utils.data.IterableDataset):
     worker, num_workers = (info.id, info.num_workers) if info else (0, 1)
     epoch, first_step = self.epoch_and_step.tolist()
     seed = self.cfg.seed
-    bad = shard_format.BadData(self.cfg.fail_on_bad_data, self.counts[:, 0], worker)
+    bad = BadData(self.cfg.fail_on_bad_data, self.counts[:, 0], worker)
     # The DataLoader takes batch i from worker i % num_workers: this worker makes its share
     # of the epoch and stops, instead of reading on for batches nobody takes. A worker whose
     # first turn falls below first_step (a resumed run) sends None there (the loader drops
@@ -218,8 +344,8 @@ def load_data(cfg, rank, world_size):
   train_loader = torch.utils.data.DataLoader(train_set, batch_size=None, **workers)
   # The test set is small (10k CIFAR images are 30 MB): every replica reads it all, once,
   # and evaluates its share, as the image-folder scripts do.
-  bad = shard_format.BadData(cfg.fail_on_bad_data)
-  samples = list(shard_format.read_samples(test_urls, bad))
+  bad = BadData(cfg.fail_on_bad_data)
+  samples = list(read_samples(test_urls, bad))
   if not samples:
     raise utils.BadDataError(f'no readable sample in the test shards {cfg.wds_testdir}')
   if bad.count:
@@ -242,7 +368,7 @@ def build_model(cfg, num_classes):
   num_classes); the shards' uint8 images are normalised in the step, on the device
   (utils.normalize, CIFAR-10's mean and std). Here: the torchvision ResNet --model names,
   with the CIFAR stem. Put yours here; a --model name of your own is then accepted. Images of another format or size: the place
-  is shard_format.decode. Called in main, to check, and in every replica."""
+  is decode. Called in main, to check, and in every replica."""
   if not cfg.model.startswith(('resnet', 'resnext', 'wide_resnet')):
     raise utils.UsageError(f'--model {cfg.model} is not a torchvision ResNet (resnet18, resnet50, '
                            'resnext50_32x4d, ...): name one, or build yours in build_model')
@@ -280,8 +406,8 @@ def start_run(cfg, steps_per_epoch, stop_signal):
                         stop=utils.StopVote(device, stop_signal, cfg.lr), stop_signal=stop_signal,
                         results=results, num_classes=cfg.num_classes, epoch=1, step=0,
                         global_step=0)
-  state = checkpoints.resume(cfg.resume, cfg.ckpt_dir, (model, optimizer, scheduler),
-                             vars(cfg), RESTART_FLAGS, run.results['world_size'])
+  state = utils.resume(cfg.resume, cfg.ckpt_dir, (model, optimizer, scheduler),
+                             vars(cfg), run.results['world_size'])
   if state is not None:
     vars(run).update({key: state[key] for key in ('results', 'epoch', 'step', 'global_step')})
   run.log = utils.StepLog(device, writer, run.results['history'])  # After the restore.
@@ -353,7 +479,7 @@ def save_checkpoint(run, epoch, step, best=False):
                lr_scheduler=run.scheduler.state_dict() if run.scheduler else None, epoch=epoch,
                step=step, global_step=run.global_step, flags=vars(run.cfg),
                rng=dict(torch=torch.get_rng_state(), xla=xm.get_rng_state()), results=run.results)
-  return checkpoints.save(state, run.cfg.ckpt_dir, run.cfg.keep_checkpoints, best)
+  return utils.write_checkpoint(state, run.cfg.ckpt_dir, run.cfg.keep_checkpoints, best)
 
 
 def stop_run(run, epoch, step, saved=None):
@@ -410,7 +536,7 @@ def train(cfg, stop_signal):
       # batches it has trained without using them.
       train_loader.set_epoch(epoch, first_step)
       xm.master_print(f'Epoch {epoch} train begin {test_utils.now()}', flush=True)
-      start, executed = time.time(), utils.execute_seconds()
+      start = time.time()
       steps, stopped = train_one_epoch(run, train_device_loader, epoch, first_step)
       train_loader.check()
       xm.wait_device_ops()  # Time the device work, not just the tracing.
@@ -420,8 +546,6 @@ def train(cfg, stop_signal):
       count_data(results, train_loader.order.read_counts(), epoch, rank)
       if stopped:
         return stop_run(run, epoch, first_step + steps)
-      if steps:
-        results['epoch_device_busy'].append((utils.execute_seconds() - executed) / seconds)
       print(f'Epoch {epoch} Replica Train Samples={steps * cfg.batch_size} Device={device}/{rank}',
             flush=True)
       rate = xm.mesh_reduce('epoch_rate', steps * cfg.batch_size / seconds, sum)
@@ -456,9 +580,9 @@ def _mp_fn(index, flag_values):
   """One replica. flag_values is a plain dict: absl's FLAGS do not cross the spawn."""
   del index  # The global ordinal comes from the runtime.
   cfg = SimpleNamespace(**flag_values)
-  with supervision.replica():  # A replica that fails ends at once, and so the whole run.
+  with utils.replica():  # A replica that fails ends at once, and so the whole run.
     utils.use_compile_cache(cfg.compile_cache_dir, xr.global_ordinal())  # Before any computation.
-    results = train(cfg, supervision.stop_signal)
+    results = train(cfg, utils.stop_signal)
     if xm.is_master_ordinal():
       utils.write_results(cfg.results_json, results)
   sys.exit(utils.exit_code(results, cfg.target_accuracy))
@@ -466,30 +590,29 @@ def _mp_fn(index, flag_values):
 
 def main(argv):
   del argv
-  flag_values = FLAGS.flag_values_dict()
-  flag_values['num_workers'] = utils.usable_workers(FLAGS.num_workers,
-                                                     FLAGS['num_workers'].present)
-  utils.set_precision(FLAGS.amp, FLAGS.bf16)  # Before the runtime starts.
-  # Check the inputs here, once, before any replica starts: bad input is one line, not N.
-  try:
-    shards = [shard_format.check_shards(flag, FLAGS[flag].value, FLAGS.fail_on_bad_data)
-              for flag in ('wds_traindir', 'wds_testdir')]
-    cfg = SimpleNamespace(**flag_values)
-    side = shard_format.SIDE
-    print(f'Data: {cfg.trainsize:,} training samples in {shards[0]} shards and {cfg.testsize:,} '
-          f'evaluation samples in {shards[1]}, 3x{side}x{side} uint8, {cfg.num_classes} classes')
-    print(utils.describe_model(cfg.model, build_model(cfg, cfg.num_classes), cfg.num_classes))
-    print(utils.describe_recipe(cfg, 'set by --lr, --lr_scheduler_type, --momentum and '
-                                '--weight_decay'), flush=True)
-    utils.check_outputs(FLAGS.ckpt_dir, FLAGS.logdir, FLAGS.results_json,
-                        FLAGS.compile_cache_dir)
-  except utils.UsageError as e:
-    utils.die(e)
-  print('Starting ' + ('one replica (--num_cores 1)' if FLAGS.num_cores == 1 else
-                       'one replica per local XLA device') + ' ...', flush=True)
-  # A stop signal stops every replica after a step; a failing one ends them all: see there.
-  with supervision.run_watched(launcher=FLAGS.num_cores != 1, saving=bool(FLAGS.ckpt_dir)):
-    torch_xla.launch(_mp_fn, args=(flag_values,), debug_single_process=FLAGS.num_cores == 1)
+  cfg = SimpleNamespace(**FLAGS.flag_values_dict())
+  utils.set_precision(cfg.amp, cfg.bf16)  # Before the runtime starts.
+  if supervisor:  # Checked here, once, before any replica starts: bad input is one line, not N.
+    try:
+      cfg.num_workers = supervisor.usable_workers(cfg.num_workers, FLAGS['num_workers'].present)
+      shards = [supervisor.check_shards(flag, getattr(cfg, flag), cfg.fail_on_bad_data, decode,
+                                        ForeignSample) for flag in ('wds_traindir', 'wds_testdir')]
+      print(f'Data: {cfg.trainsize:,} training samples in {shards[0]} shards and {cfg.testsize:,} '
+            f'evaluation samples in {shards[1]}, 3x{SIDE}x{SIDE} uint8, {cfg.num_classes} classes')
+      print(supervisor.describe_model(cfg.model, build_model(cfg, cfg.num_classes), cfg.num_classes))
+      print(supervisor.describe_recipe(cfg, 'set by --lr, --lr_scheduler_type, --momentum and '
+                                       '--weight_decay'), flush=True)
+      supervisor.check_outputs(cfg.ckpt_dir, cfg.logdir, cfg.results_json, cfg.compile_cache_dir)
+    except utils.UsageError as e:
+      utils.die(e)
+  launcher = utils.spawns_replicas(single_process=cfg.num_cores == 1)  # Not under torchrun.
+  print('Starting ' + ('one replica per local XLA device' if launcher else 'one replica (--num_cores 1)'
+                       if cfg.num_cores == 1 else 'the replica of this torchrun worker') + ' ...',
+        flush=True)
+  # SIGTERM and Ctrl-C stop every replica after the same step (see utils' stop section).
+  with (supervisor.watched(launcher, saving=bool(cfg.ckpt_dir)) if supervisor else
+        utils.stop_on_signals(launcher)):
+    torch_xla.launch(_mp_fn, args=(vars(cfg),), debug_single_process=cfg.num_cores == 1)
 
 
 def run(argv):
@@ -508,4 +631,4 @@ if __name__ == '__main__':
     app.run(main, flags_parser=lambda argv: utils.parse_flags(argv, ELSEWHERE))
 elif __name__ == '__mp_main__':
   # A replica imports this file in its main thread, the only one that may catch a signal.
-  supervision.stop_on_signals()
+  utils.stop_on_signals()

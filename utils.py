@@ -1,7 +1,10 @@
 # SPDX-License-Identifier: BSD-3-Clause
-"""What the training loops share: one-line errors, the split of work across replicas, the
-training log, results and outputs, and the stop agreed by every replica. Nothing here reads
-FLAGS or holds a script's choices."""
+"""What every process of a training run does, whichever script it runs: one-line errors and
+exit codes; the data (the split of work across replicas, seeded samples, the loaders,
+normalisation on the device); the training log and results; checkpoints; and the stop that
+every replica agrees on. Nothing here reads FLAGS or holds a script's choices. A copied
+script needs this file and nothing else of the repo (supervisor.py and command.py are
+optional: see their docstrings)."""
 
 import collections
 import concurrent.futures
@@ -10,25 +13,30 @@ import functools
 import io
 import itertools
 import json
-import logging
 import math
-import numbers
+import multiprocessing
 import os
 import pickle
+import re
 import signal
 import sys
 import threading
-import types
+import traceback
+import zipfile
 
 import fsspec
-import numpy as np
 import torch
+import torch.distributed
+import torch_xla
 import torch_xla.core.xla_model as xm
 import torch_xla.debug.metrics as met
 import torch_xla.runtime as xr
 import torch_xla.test.test_utils as test_utils
 import torchvision
 from absl import flags
+from PIL import Image
+from torchvision.io import ImageReadMode, decode_jpeg
+from torchvision.transforms import v2
 
 EXIT_BELOW_TARGET = 21  # upstream's code for a run below --target_accuracy
 EXIT_DIVERGED = 22  # the loss became NaN: nothing was saved after it
@@ -37,15 +45,16 @@ EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a Ctrl-C.
 # What the user's SIGINT is called in the lines about it: a notebook's run() says "Interrupt",
 # after the button that sends it.
 INTERRUPT = os.environ.get('INTERRUPT_NAME', 'Ctrl-C')
-REMOTE_SECONDS = 20  # The wait at start for a bucket or server (gcsfs alone retries ~35 s).
 # Per-channel mean and std of the pixels (0 to 1) that normalize() uses for uint8 images.
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)  # as torchvision's
 CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)  # CIFAR-10's train
+CHECKPOINT = re.compile(r'^ckpt-(\d+)\.pt$')
+CHECKPOINT_KEYS = ('model', 'optimizer', 'lr_scheduler', 'epoch', 'step', 'global_step', 'rng',
+                   'flags', 'results')
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
-# gcsfs and google-auth log each retry and credential fallback, tracebacks included, through
-# absl's handler: a bucket out of reach was a hundred lines. The scripts say it in one.
-for _noisy in ('gcsfs', 'google.auth', 'fsspec'):
-  logging.getLogger(_noisy).setLevel(logging.CRITICAL)
+
+# ------------------------------------------------------------------ errors and exit codes
 
 
 class UsageError(Exception):
@@ -128,6 +137,29 @@ def create_model(name, num_classes):
   return torchvision.models.get_model(name, weights=None, num_classes=num_classes, **aux)
 
 
+# ------------------------------------------------------------------------------ data
+
+
+def load_image(path):
+  """The image at path as a uint8 RGB tensor (3 x H x W): a JPEG by torchvision's decoder
+  (libjpeg-turbo, no PIL image on the way), any other file (PNG, ...) by PIL; a corrupt file
+  names itself in one line instead of a traceback."""
+  try:
+    with open(path, 'rb') as f:
+      data = f.read()
+    if data[:3] == b'\xff\xd8\xff':
+      try:
+        return decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8),
+                           mode=ImageReadMode.RGB)
+      except RuntimeError:
+        pass  # PIL reads some that libjpeg refuses here, and says what is wrong with the rest.
+    with Image.open(io.BytesIO(data)) as image:
+      return v2.functional.pil_to_tensor(image.convert('RGB'))
+  except OSError as e:  # PIL.UnidentifiedImageError and truncated files are OSErrors.
+    why = 'not an image file' if isinstance(e, Image.UnidentifiedImageError) else e
+    raise BadDataError(f'cannot read image {path} ({why}): replace or remove the file') from None
+
+
 def normalize(images, mean=IMAGENET_MEAN, std=IMAGENET_STD):
   """What the model gets of a batch, inside the step on the device: uint8 images (0 to 255)
   as floats normalised per channel, (x / 255 - mean) / std, in the step's graph; float images
@@ -144,94 +176,6 @@ def _channel_constants(mean, std, device):
   at every step)."""
   return (torch.tensor([255 * m for m in mean], device=device).view(-1, 1, 1),
           torch.tensor([1 / (255 * s) for s in std], device=device).view(-1, 1, 1))
-
-
-def check_datasets(train_set, eval_set, num_classes):
-  """What a script's build_datasets made, checked at start on the first and last sample of
-  each set: (C x H x W uint8 or float tensor, integer label below num_classes), one shape and
-  dtype in both. Returns a line that says what the data is."""
-  shapes = {}
-  for name, dataset in (('training', train_set), ('evaluation', eval_set)):
-    if not hasattr(dataset, '__len__') or len(dataset) == 0:
-      raise UsageError(f'build_datasets: the {name} set is empty or has no len(): give a '
-                       'map-style dataset (len() and [index]) of samples')
-    for index in sorted({0, len(dataset) - 1}):
-      where, sample = f'{name} sample {index}', dataset[index]
-      image, label = sample if isinstance(sample, (tuple, list)) and len(sample) == 2 else (0, 0)
-      if not (torch.is_tensor(image) and image.dim() == 3 and
-              (image.is_floating_point() or image.dtype == torch.uint8)):
-        raise UsageError(f'build_datasets: {where} is {_kind(sample)}: give (C x H x W uint8 '
-                         'or float tensor, label)')
-      label = label.item() if torch.is_tensor(label) and label.dim() == 0 else label
-      if not (isinstance(label, numbers.Integral) and 0 <= label < num_classes):
-        raise UsageError(f'build_datasets: {where} has label {_kind(label)}: give integers '
-                         f'from 0 to {num_classes - 1} (the class count it returned)')
-      kind = 'x'.join(map(str, image.shape)) + ' ' + str(image.dtype).removeprefix('torch.')
-      shapes.setdefault(kind, where)
-  if len(shapes) > 1:
-    (shape, where), (other, other_where) = list(shapes.items())[:2]
-    raise UsageError(f'build_datasets: {other_where} is {other}, {where} is {shape}: give samples '
-                     'of one shape and dtype (batches stack them; a new shape compiles a new '
-                     'graph)')
-  return (f'Data: {len(train_set):,} training and {len(eval_set):,} evaluation samples of '
-          f'{next(iter(shapes))}, {num_classes} classes')
-
-
-def _kind(value):
-  if torch.is_tensor(value):
-    return f'a {"x".join(map(str, value.shape)) or "0-d"} {value.dtype} tensor'
-  if isinstance(value, (tuple, list)):
-    return f'a {type(value).__name__} of {", ".join(map(_kind, value))}'
-  return repr(value) if isinstance(value, (int, float, str)) else f'a {type(value).__name__}'
-
-
-class _WorkerPickle(pickle.Pickler):
-  """What a loader worker started by spawn is sent of a dataset, but for its tensors and arrays
-  (taken as they are: only whether it can be sent is asked, not what it weighs)."""
-  dispatch_table = {torch.Tensor: lambda tensor: (tuple, ()), np.ndarray: lambda array: (tuple, ())}
-
-
-def check_picklable(datasets):
-  """Loader workers that a replica starts by spawn get each dataset pickled: a class defined
-  inside a function (or a lambda transform) cannot be, which would be a traceback from the
-  replica after start-up. Said here in one line instead."""
-  for name, dataset in datasets.items():
-    try:
-      _WorkerPickle(types.SimpleNamespace(write=len)).dump(dataset)  # Written nowhere.
-    except Exception as e:  # pickle.PicklingError, AttributeError (a local class), TypeError
-      raise UsageError(f'build_datasets: the {name} set ({type(dataset).__name__}) cannot be '
-                       f'sent to loader worker processes ({e}): define its class (and any '
-                       'function it holds) at module level, or give --num_workers 0') from None
-
-
-def describe_model(name, model, num_classes):
-  """The line that says which model a run trains, as build_model made it."""
-  parameters = sum(parameter.numel() for parameter in model.parameters())
-  return (f'Model: {name} ({type(model).__name__}, {parameters / 1e6:.2f}M parameters, '
-          f'{num_classes} classes)')
-
-
-def describe_recipe(cfg, source):
-  """The line that says which optimiser settings a run uses, and where they came from."""
-  schedule = 'constant'
-  if cfg.lr_scheduler_type == 'WarmupAndExponentialDecayScheduler':
-    schedule = (f'linear warm-up over {cfg.lr_warmup_epochs:g} epochs, then divided by '
-                f'{cfg.lr_scheduler_divisor:g} every {cfg.lr_scheduler_divide_every_n_epochs} epochs')
-  return (f'Recipe: SGD, lr {cfg.lr:g} {schedule}, momentum {cfg.momentum:g}, weight decay '
-          f'{cfg.weight_decay:g} ({source})')
-
-
-def usable_workers(num_workers, given):
-  """num_workers, at most the CPUs this process may use: more loader workers only add start-up
-  time and memory (on 2 cores, 8 workers made a 1-minute run take 4.5). given: the user asked
-  for this number (a default is lowered without a word)."""
-  cpus = len(os.sched_getaffinity(0))
-  if num_workers <= cpus:
-    return num_workers
-  if given:
-    print(f'--num_workers {num_workers} is more than the {cpus} CPUs this process may use: '
-          f'using {cpus}', flush=True)
-  return cpus
 
 
 class EpochSampler(torch.utils.data.DistributedSampler):
@@ -327,6 +271,15 @@ def warmup_step_decay(step, steps_per_epoch, warmup_epochs, divide_every_n_epoch
   return 1.0 / divisor**(step // steps_per_epoch // divide_every_n_epochs)
 
 
+def ignore_stop_signals(worker_id=None):
+  """DataLoader worker_init_fn: workers serve on after a stop signal, so the run can save."""
+  signal.signal(signal.SIGTERM, signal.SIG_IGN)
+  signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+# ----------------------------------------------------------------- the log and results
+
+
 class StepLog:
   """Training lines (pytorch/xla's, which TPU users grep for) and TensorBoard scalars, in order,
   from a thread of their own: add() is a step closure, and reading the loss in the training
@@ -352,12 +305,6 @@ class StepLog:
     """Waits until every line added so far is printed (and raises what failed)."""
     while self.pending:
       self.pending.popleft().result()
-
-
-def execute_seconds():
-  """Seconds this process's XLA graphs have spent executing (SPMD: ExecuteReplicatedTime)."""
-  return sum((met.metric_data(name) or (0, 0))[1] for name in
-             ('ExecuteTime', 'ExecuteReplicatedTime')) / 1e9
 
 
 def compile_count():
@@ -409,6 +356,21 @@ def exit_code(results, target_accuracy):
   return 0
 
 
+def check_learning(history, epoch, num_classes, lr, default_lr):
+  """A warning when the loss stayed at chance level (ln of the class count, or above) through
+  the second half of the epoch's logged steps while --lr is the default: a model without
+  BatchNorm often does not learn at the ResNets' rate, and the run would end with exit 0."""
+  losses = [entry['loss'] for entry in history if entry['epoch'] == epoch]
+  chance = math.log(num_classes)
+  if lr != default_lr or len(losses) < 4 or num_classes < 2:
+    return
+  if min(losses[len(losses) // 2:]) >= 0.95 * chance:
+    xm.master_print(f'warning: the loss stayed at chance level (ln {num_classes} = {chance:.2f}) '
+                    f'through epoch {epoch} at the default learning rate {lr:g}: the model is '
+                    f'not learning; try a lower --lr (such as {lr / 10:g}), as a model without '
+                    'BatchNorm often needs', fd=sys.stderr, flush=True)
+
+
 def write_results(path, results):
   """Writes results as JSON to a local path or URL, atomically."""
   if path:
@@ -422,6 +384,8 @@ def write_atomically(data, url):
   """Writes bytes under a temporary name and renames: a kill mid-write leaves the old file,
   and a failed write (a full disk) removes its temporary."""
   fs, path = fsspec.core.url_to_fs(url)
+  if os.path.dirname(path):
+    fs.makedirs(os.path.dirname(path), exist_ok=True)  # A new --ckpt_dir, say.
   temporary = f'{path}.tmp{os.getpid()}'
   try:
     with fs.open(temporary, 'wb') as f:
@@ -438,68 +402,206 @@ def write_atomically(data, url):
     raise
 
 
-def check_outputs(ckpt_dir, logdir, results_json, compile_cache_dir=None):
-  """A probe file into each output folder given: a place that takes none fails before training,
-  not after it. First frees what a killed save left in ckpt_dir."""
-  if compile_cache_dir and '://' in compile_cache_dir:
-    raise UsageError(f'--compile_cache_dir {compile_cache_dir}: torch_xla writes its compile '
-                     "cache with plain file I/O: give a folder on this host's disk or a "
-                     'mounted one')
-  folders = dict(ckpt_dir=ckpt_dir, logdir=logdir, compile_cache_dir=compile_cache_dir,
-                 results_json=results_json and (os.path.dirname(results_json) or '.'))
-  for flag, folder in ((flag, folder) for flag, folder in folders.items() if folder):
+# -------------------------------------------------------------------------- checkpoints
+
+
+class CheckpointError(UsageError):
+  """A checkpoint that cannot be used."""
+
+
+def list_checkpoints(ckpt_dir):
+  """{global_step: path} of the checkpoints in ckpt_dir."""
+  fs, path = fsspec.core.url_to_fs(ckpt_dir)
+  names = [name.rsplit('/', 1)[-1] for name in fs.ls(path, detail=False)] if fs.exists(path) else []
+  return {int(m.group(1)): f'{ckpt_dir.rstrip("/")}/{m.group(0)}'
+          for m in map(CHECKPOINT.match, names) if m}
+
+
+def write_checkpoint(state, ckpt_dir, keep, best):
+  """Saves ckpt_dir/ckpt-GLOBALSTEP.pt (and best.pt), keeping the `keep` newest up to it, and
+  returns its path. Every replica calls it; the master writes; all wait until it is whole."""
+  torch_xla.sync()  # Runs the step still being traced, so that saving only copies data.
+  master = is_master()
+  buffer = io.BytesIO() if master else None
+  # SPMD: every host holds the whole (replicated) state; process 0 copies it out and writes.
+  if master or not xr.is_spmd():
+    xm.save(state, buffer, master_only=True, global_master=True)
+  path = f'{ckpt_dir.rstrip("/")}/ckpt-{state["global_step"]:08d}.pt'
+  if master:
     try:
-      reach(folder, lambda: _write_probe(folder, leftovers=flag == 'ckpt_dir'))
-    except UsageError:
-      raise
-    except Exception as e:  # PermissionError, NotADirectoryError, a bucket's auth error, ...
-      raise UsageError(f'cannot write to --{flag} {folder} ({type(e).__name__}: {e}): give a '
-                       'folder or bucket this job can write') from None
+      write_atomically(buffer.getvalue(), path)
+      if best:
+        write_atomically(buffer.getvalue(), f'{ckpt_dir.rstrip("/")}/best.pt')
+    except OSError as e:  # A full disk or quota, a lost permission.
+      raise UsageError(f'cannot write checkpoint {path} ({e}): free space in --ckpt_dir or '
+                       'give another; the checkpoints already there are kept') from None
+    saved = list_checkpoints(ckpt_dir)
+    kept = sorted(step for step in saved if step <= state['global_step'])[-keep:]
+    for old in (saved[step] for step in saved if step not in kept):
+      fsspec.core.url_to_fs(old)[0].rm(fsspec.core.url_to_fs(old)[1])
+    print(f'Saved checkpoint {path}', flush=True)
+  if xr.world_size() > 1:
+    xm.rendezvous('checkpoint_saved')
+  return path
 
 
-def _write_probe(folder, leftovers):
-  fs, path = fsspec.core.url_to_fs(folder)
-  if leftovers:
+def load_checkpoint(path):
+  """The checkpoint at path with CPU tensors (weights_only: other objects could run code)."""
+  try:
+    with fsspec.open(path, 'rb') as f:
+      # torch.save writes a zip archive; random or truncated bytes could look like a pickle.
+      if not zipfile.is_zipfile(f):
+        raise EOFError('not the whole zip archive that torch.save writes')
+      f.seek(0)
+      state = torch.load(f, map_location='cpu', weights_only=True)
+  except pickle.UnpicklingError:
+    raise CheckpointError(f'checkpoint {path} holds objects other than tensors and plain '
+                          'values; refused, since loading it could run code') from None
+  except Exception as e:  # Truncated or corrupt: EOFError, RuntimeError, ...
+    reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    raise CheckpointError(f'checkpoint {path} cannot be read: it is not a whole, readable '
+                          f'checkpoint file ({reason})') from None
+  missing = [key for key in CHECKPOINT_KEYS if not isinstance(state, dict) or key not in state]
+  if missing:
+    raise CheckpointError(f'{path} is not a checkpoint of these scripts (no {", ".join(missing)})')
+  return state
+
+
+def find_checkpoint(resume, ckpt_dir):
+  """(path, state) to resume from, chosen by the master for every replica, or (None, None):
+  --resume PATH, else the newest readable one in ckpt_dir (warning of each unreadable one)."""
+  path, state = None, None
+  if xm.is_master_ordinal(local=False) and resume:
     try:
-      for name in fs.glob(f'{path.rstrip("/")}/*.pt.tmp*'):
-        fs.rm(name)
-    except OSError:
-      pass  # Said by the probe.
-  fs.makedirs(path, exist_ok=True)
-  fs.pipe_file(f'{path.rstrip("/")}/.write-test-{os.getpid()}', b'ok')
-  fs.rm(f'{path.rstrip("/")}/.write-test-{os.getpid()}')
+      path, state = resume, load_checkpoint(resume)
+    except CheckpointError as e:
+      raise UsageError(f'--resume: {e}') from None
+  elif xm.is_master_ordinal(local=False) and ckpt_dir:
+    for found in sorted(list_checkpoints(ckpt_dir).values(), reverse=True):
+      try:
+        path, state = found, load_checkpoint(found)
+        break
+      except CheckpointError as e:
+        print(f'warning: {e}; trying the previous one', file=sys.stderr, flush=True)
+  if xr.world_size() > 1:
+    path = xm.mesh_reduce('resume_from', path, lambda paths: paths[0])
+    state = state or (load_checkpoint(path) if path else None)
+  return path, state
 
 
-_reached = set()
+def check_same_model(model, state, path):
+  """A UsageError naming a weight that differs if the checkpoint is of another model."""
+  ours = {k: list(v.shape) for k, v in model.state_dict().items()}
+  theirs = {k: list(v.shape) for k, v in state['model'].items()}
+  differ = sorted(k for k in ours.keys() | theirs.keys() if ours.get(k) != theirs.get(k))
+  if differ:
+    first = differ[0]
+    raise UsageError(f'checkpoint {path} was made for another model or number of classes '
+                     f'({len(differ)} weight(s) differ, e.g. {first}: '
+                     f'{theirs.get(first, "absent")} there, {ours.get(first, "absent")} here; it '
+                     f'was saved with --model {state["flags"].get("model")}): use the flags of '
+                     'that run, or another --ckpt_dir')
 
 
-def reach(url, call):
-  """call(), which asks url's file system something. For a URL of the network (gs://, http://,
-  ...) a line says so first, and one that does not answer within REMOTE_SECONDS (no
-  network, a server that hangs) is a UsageError then, not a minute of retries."""
-  if fsspec.utils.get_protocol(url) in ('file', 'local', 'memory'):
-    return call()
-  place = '/'.join(url.split('/')[:3])  # scheme://bucket or scheme://host: said once each
-  if place not in _reached:
-    print(f'Reaching {place} (up to {REMOTE_SECONDS} s) ...', flush=True)
-    _reached.add(place)
-  outcome = {}
+def resume(resume_path, ckpt_dir, training, flag_values, world_size):
+  """Restores training = (model, optimizer, scheduler or None) and the RNGs from the checkpoint
+  find_checkpoint chose and returns it (or None); warns if the checkpoint's run had another
+  number of devices (world_size)."""
+  path, state = find_checkpoint(resume_path, ckpt_dir)
+  if state is None:
+    return None
+  model, optimizer, scheduler = training
+  check_same_model(model, state, path)
+  model.load_state_dict(state['model'])
+  optimizer.load_state_dict(state['optimizer'])
+  if scheduler is not None and state['lr_scheduler'] is not None:
+    scheduler.load_state_dict(state['lr_scheduler'])
+  torch.set_rng_state(state['rng']['torch'])
+  xm.set_rng_state(state['rng']['xla'])
+  saved_world = state['results'].get('world_size', world_size)
+  if saved_world != world_size:
+    batch = flag_values['batch_size']
+    xm.master_print(f'warning: resuming {path} on {world_size} devices, saved on {saved_world}: '
+                    f'the global batch is {batch * world_size} instead of {batch * saved_world} '
+                    f'(--batch_size {batch} per device), so the run will differ from one never '
+                    'interrupted (see docs/checkpoints.md)', fd=sys.stderr, flush=True)
+  epoch, num_epochs = state['epoch'], flag_values['num_epochs']
+  where = ckpt_dir or os.path.dirname(path)
+  xm.master_print(f'Run already finished: {path} is the end of epoch {epoch - 1} (--num_epochs '
+                  f'{num_epochs}). To train on, give more --num_epochs; to start over, remove '
+                  f'{where} or give another --ckpt_dir' if epoch > num_epochs else
+                  f'Resumed from {path} at epoch {epoch} step {state["step"]}', flush=True)
+  return state
 
-  def attempt():
-    try:
-      outcome['value'] = call()
-    except BaseException as e:  # noqa: B036 (raised again below, in the caller's thread)
-      outcome['error'] = e
 
-  thread = threading.Thread(target=attempt, name='reach', daemon=True)  # Left behind if hung.
-  thread.start()
-  thread.join(REMOTE_SECONDS)
-  if thread.is_alive():
-    raise UsageError(f'{url} did not answer within {REMOTE_SECONDS} s: check the network, the '
-                     'address and the credentials')
-  if 'error' in outcome:
-    raise outcome['error']
-  return outcome.get('value')
+# ----------------------------------------------------------------------------- the stop
+# The first SIGTERM or SIGINT this process got, or 0. A plain value: a handler takes no lock,
+# since a second signal (a launcher passing one on) can run it inside the first.
+_stop_signal = 0
+_wakeup = None  # The end of the pipe that Python writes every signal to (see stop_on_signals).
+
+
+def stop_signal():
+  """The first stop signal this process got (SIGTERM or SIGINT), or 0."""
+  global _stop_signal
+  if not _stop_signal and _wakeup is not None:
+    try:  # What arrived while the main thread, which runs handlers, was blocked.
+      arrived = [signum for signum in os.read(_wakeup, 64) if signum in STOP_SIGNALS]
+    except BlockingIOError:
+      arrived = []
+    _stop_signal = _stop_signal or (arrived[0] if arrived else 0)
+  return _stop_signal
+
+
+def request_stop(signum, frame=None):
+  """The handler of SIGTERM and SIGINT: a stop after the current step. A second one (a
+  terminal's Ctrl-C reaches a torchrun worker from the terminal and from torchrun) changes
+  nothing: the first is kept."""
+  global _stop_signal
+  _stop_signal = _stop_signal or signum
+
+
+def stop_on_signals(launcher=False):
+  """SIGTERM (a TPU VM's notice of maintenance or preemption, torchrun's, a container's) and
+  SIGINT become a stop after the current step: called in the main thread of every process of
+  a run, the only one that may install a handler (a spawned replica: while it imports the
+  script). A launcher passes them on to its replicas, so that `kill PID` reaches them all.
+  A replica trains in a thread of torch_xla's while its main thread waits in a lock, where a
+  handler runs only if the kernel delivered the signal to that very thread: stop_signal also
+  reads the wakeup pipe Python writes every signal to, from whichever thread got it.
+  Returns a null context, to stand in a `with` where supervisor.watched may stand."""
+  global _wakeup
+  whole_lines()
+  for signum in STOP_SIGNALS:
+    signal.signal(signum, _pass_on if launcher else request_stop)
+  if not launcher:
+    wakeup_read, wakeup_write = os.pipe()
+    os.set_blocking(wakeup_read, False)
+    os.set_blocking(wakeup_write, False)
+    signal.set_wakeup_fd(wakeup_write)
+    _wakeup = wakeup_read
+  return contextlib.nullcontext()
+
+
+def _pass_on(signum, frame):
+  request_stop(signum)
+  for process in multiprocessing.active_children():  # The replicas, started or starting.
+    os.kill(process.pid, signum)
+
+
+def spawns_replicas(single_process):
+  """Whether torch_xla.launch starts replica processes here: not with debug_single_process,
+  and not under torchrun, whose worker runs the replica itself (torch.distributed's test)."""
+  return not single_process and not torch.distributed.is_torchelastic_launched()
+
+
+def whole_lines():
+  """Each line this process prints reaches the terminal, log or notebook in one write, so
+  that a line of another replica or thread cannot land inside it. With PYTHONUNBUFFERED=1
+  (common in containers and notebooks) print writes the text and its newline separately."""
+  for stream in (sys.stdout, sys.stderr):
+    if isinstance(stream, io.TextIOWrapper):
+      stream.reconfigure(line_buffering=True, write_through=False)
 
 
 def is_master():
@@ -577,22 +679,46 @@ def ends_on_nan(results):
     results['diverged'] = str(e)
 
 
-def check_learning(history, epoch, num_classes, lr, default_lr):
-  """A warning when the loss stayed at chance level (ln of the class count, or above) through
-  the second half of the epoch's logged steps while --lr is the default: a model without
-  BatchNorm often does not learn at the ResNets' rate, and the run would end with exit 0."""
-  losses = [entry['loss'] for entry in history if entry['epoch'] == epoch]
-  chance = math.log(num_classes)
-  if lr != default_lr or len(losses) < 4 or num_classes < 2:
-    return
-  if min(losses[len(losses) // 2:]) >= 0.95 * chance:
-    xm.master_print(f'warning: the loss stayed at chance level (ln {num_classes} = {chance:.2f}) '
-                    f'through epoch {epoch} at the default learning rate {lr:g}: the model is '
-                    f'not learning; try a lower --lr (such as {lr / 10:g}), as a model without '
-                    'BatchNorm often needs', fd=sys.stderr, flush=True)
+@contextlib.contextmanager
+def replica():
+  """Around a replica's work (in _mp_fn): the replica exits when its launcher is gone (one
+  killed by SIGKILL cannot stop its replicas, which would hold the TPU), and an exception
+  ends it at once after one `error:` line (exit code 2) or, for a bug, a traceback (exit
+  code 1), so that the launcher sees it and ends the others, which would wait in their
+  next collective forever (pytorch/xla#7974)."""
+  launcher = multiprocessing.parent_process()
+  if launcher is not None:
+    threading.Thread(target=lambda: launcher.join() or os._exit(128 + signal.SIGKILL),
+                     daemon=True).start()
+  try:
+    yield
+  except Exception as error:
+    replica_failed(error)
+  finally:
+    end_loader_workers()
 
 
-def ignore_stop_signals(worker_id=None):
-  """DataLoader worker_init_fn: workers serve on after a stop signal, so the run can save."""
-  signal.signal(signal.SIGTERM, signal.SIG_IGN)
-  signal.signal(signal.SIGINT, signal.SIG_IGN)
+def replica_failed(error):
+  """Ends this replica at once, saying why (see replica)."""
+  said = isinstance(error, (UsageError, BadDataError))
+  # The error is the last thing of this replica a user reads: its log thread may still be
+  # printing the last steps' lines.
+  sys.stdout.flush()
+  os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+  if said:
+    where = f'replica {xr.global_ordinal()}: ' if xr.world_size() > 1 else ''
+    print(f'error: {where}{error}', file=sys.stderr, flush=True)
+  else:
+    traceback.print_exception(error)
+  end_loader_workers()
+  sys.stdout.flush()
+  sys.stderr.flush()
+  os._exit(2 if said else 1)
+
+
+def end_loader_workers():
+  """Kills this process's loader workers still alive: they ignore the SIGTERM that
+  multiprocessing's exit sends before waiting for them (see ignore_stop_signals)."""
+  for process in multiprocessing.active_children():
+    process.kill()
+    process.join()

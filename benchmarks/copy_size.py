@@ -1,9 +1,10 @@
 # SPDX-License-Identifier: BSD-3-Clause
-"""What a user who copies one training script reads: the script and the repo's modules it
-imports (followed through their own imports), without supervision.py, which a copier
-running under torchrun or a launcher of their own may leave out (see its docstring), and
-command.py, which only run() and %run need, and with them. Lines are counted twice: those a reader reads (not blank: code, comments and
-docstrings) and all of them (as `wc -l` counts). Also the longest function and the most parameters of
+"""What a user who copies one training script reads: the files its copy line in
+docs/scripts.md copies (the kit: the script and utils.py; LICENSE is not counted), and
+what the optional modules (supervisor.py, command.py) add. Lines are counted twice: all of
+them, as `wc -l` counts them, and those a reader reads (not blank: code, comments and
+docstrings). Also the repo's modules each file imports that the kit lacks (none but the
+optional ones, whose import is guarded), the longest function and the most parameters of
 each file, and the imports between the repo's files (a shared module imports no script).
 
   python benchmarks/copy_size.py
@@ -11,12 +12,20 @@ each file, and the imports between the repo's files (a shared module imports no 
 
 import ast
 import pathlib
+import re
 import sys
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 SCRIPTS = ['train_resnet_mp.py', 'train_resnet_spmd.py', 'train_single_core.py',
            'train_wds_cifar.py', 'make_cifar_shards.py', 'launch_pod.py']
-OPTIONAL = ('supervision.py', 'command.py')
+OPTIONAL = ('supervisor.py', 'command.py')
+
+
+def kits():
+  """{script: the .py files its copy line in docs/scripts.md copies}."""
+  page = (REPO / 'docs' / 'scripts.md').read_text()
+  return {m.group(1): [name for name in m.group(0).split()[1:] if name.endswith('.py')]
+          for m in re.finditer(r'^cp (train_\w+\.py) .*$', page, re.M)}
 
 
 def local_imports(path):
@@ -62,16 +71,15 @@ def functions(name):
 
 
 def main():
-  print('| script | files it needs | lines read, without supervision.py and command.py | with '
-        'them | all lines (wc -l), without | with |')
-  print('|---|---|---|---|---|---|')
-  for script in SCRIPTS:
-    files = needed(script)
-    counts = []
-    for count in (read_lines, lines):
-      total = sum(map(count, files))
-      counts += [total - sum(count(name) for name in OPTIONAL if name in files), total]
-    print(f'| {script} | {" ".join(files[1:]) or "-"} | {" | ".join(map(str, counts))} |')
+  print('| script | its kit (the copy line) | lines (wc -l) | lines read | imported, not in the kit | '
+        f'with {" and ".join(OPTIONAL)}: lines | lines read |')
+  print('|---|---|---|---|---|---|---|')
+  for script, kit in kits().items():
+    lacking = sorted(set(needed(script)) - set(kit) - set(OPTIONAL))
+    counts = [sum(map(count, names)) for names in (kit, kit + list(OPTIONAL))
+              for count in (lines, read_lines)]
+    print(f'| {script} | {" ".join(kit)} | {counts[0]} | {counts[1]} | {" ".join(lacking) or "-"} '
+          f'| {counts[2]} | {counts[3]} |')
   print()
   print('| file | lines read | lines | imports from the repo | longest function | most parameters |')
   print('|---|---|---|---|---|---|')

@@ -2,7 +2,7 @@
 """Host input pipelines: photos for the image-folder scripts, 32x32 images for the shards.
 
 Photos: images/s and bytes per batch of the image-folder scripts' training pipeline
-(image_folders.load: torchvision's JPEG decoder, crop and flip on uint8 tensors, each
+(train_single_core.build_datasets: torchvision's JPEG decoder, crop and flip on uint8 tensors, each
 sample seeded as the scripts seed it) against upstream's (PIL, RandomResizedCrop, flip,
 ToTensor and Normalize on the host), at 224 px, over JPEG photos of 500x375 (ImageNet's
 usual size) cut from matplotlib's sample photo and re-encoded: nothing is downloaded.
@@ -42,8 +42,8 @@ from absl import app, flags
 from PIL import Image
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-import image_folders  # noqa: E402
-import shard_format  # noqa: E402
+import make_cifar_shards  # noqa: E402
+import train_single_core  # noqa: E402
 import train_wds_cifar  # noqa: E402
 import utils  # noqa: E402
 
@@ -89,7 +89,7 @@ def photo_loaders(root, workers, seed=0):
   upstream = torchvision.datasets.ImageFolder(root / 'train', T.Compose([
       T.RandomResizedCrop(224), T.RandomHorizontalFlip(), T.ToTensor(),
       T.Normalize(utils.IMAGENET_MEAN, utils.IMAGENET_STD)]))
-  ours = image_folders.load(root, 224)[0]
+  ours = train_single_core.build_datasets(SimpleNamespace(datadir=str(root), img_dim=224))[0]
   options = dict(batch_size=FLAGS.batch_size, num_workers=workers, drop_last=True,
                  persistent_workers=workers > 0)
   sampler = utils.EpochSampler(ours, 0, 1, seed, FLAGS.batch_size)
@@ -132,7 +132,7 @@ def shard_loader(urls, count, workers):
 
 
 def decode_costs(images):
-  """Microseconds shard_format.decode takes for one image of each format it reads."""
+  """Microseconds train_wds_cifar.decode takes for one image of each format it reads."""
   def encoded(image, image_format, **options):
     with io.BytesIO() as f:
       if image_format == 'NPY':
@@ -150,7 +150,7 @@ def decode_costs(images):
     samples = [{'__key__': str(i), key: encode(image), 'cls': b'1'} for i, image in enumerate(images)]
     start = time.perf_counter()
     for sample in samples:
-      shard_format.decode(sample)
+      train_wds_cifar.decode(sample)
     costs[key] = ((time.perf_counter() - start) / len(samples) * 1e6,
                   sum(len(sample[key]) for sample in samples) / len(samples))
   return costs
@@ -191,7 +191,7 @@ def main(argv):
     tmp = pathlib.Path(tmp)
     images, labels = make_images(tmp / 'png', count)
     per_shard = count // 10
-    shards = {f'shards, {image_format}': shard_format.write_shards(
+    shards = {f'shards, {image_format}': make_cifar_shards.write_shards(
         images, labels, range(count), str(tmp / image_format / 'train-%06d.tar'), per_shard,
         image_format) for image_format in ('rgb', 'png')}
     (tmp / 'ppm').mkdir()
@@ -210,7 +210,7 @@ def main(argv):
       for name, urls in shards.items():
         shard_rate = rate(shard_loader(urls, count, workers), passes)
         rows.append((name, workers, shard_rate, shard_rate / folder_rate))
-  print(f'Decoding one 32x32 noise image (shard_format.decode, mean of 1,000), {MACHINE}')
+  print(f'Decoding one 32x32 noise image (train_wds_cifar.decode, mean of 1,000), {MACHINE}')
   print()
   print('| image file | us per image | bytes per image |')
   print('| --- | --- | --- |')

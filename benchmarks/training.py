@@ -8,7 +8,8 @@ markdown tables:
   2. graphs compiled per run and after the first epoch (must be zero), with fake data and
      with image folders whose sizes do not divide the batch;
   3. host overhead: the share of the steady-state epoch's wall time not covered by graph
-     execution (torch_xla's ExecuteTime), i.e. time the device would wait for the host;
+     execution (torch_xla's ExecuteTime, read from the metrics report --metrics_debug
+     prints at each epoch's end), i.e. time the device would wait for the host;
   4. precision: float32, --amp and --bf16 side by side (samples/s, host overhead, graphs
      compiled, checkpoint size);
   5. checkpoints: save and load time and size for resnet50, and how long a resumed run
@@ -40,7 +41,7 @@ from PIL import Image
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-import shard_format  # noqa: E402
+import make_cifar_shards  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_bool('quick', False, 'A few steps per run: checks that the benchmark works.')
@@ -62,17 +63,37 @@ def start(script, args, devices=None):
 
 def run(script, *args, devices=None):
   """(results dict, seconds from start to the first training line) of one run of a training
-  script on XLA:CPU, as a user runs it."""
+  script on XLA:CPU, as a user runs it. results['epoch_device_busy']: for each epoch after
+  the first, the share of its wall time (training, evaluation and saving) in which graphs
+  executed, from the metrics report --metrics_debug prints as each epoch ends."""
   with tempfile.TemporaryDirectory() as tmp:
     out = pathlib.Path(tmp, 'results.json')
-    began, first = time.time(), None
-    proc = start(script, [*args, '--results_json', out], devices)
+    began, first, reports, metric = time.time(), None, [], None
+    proc = start(script, [*args, '--metrics_debug', '--results_json', out], devices)
     for line in proc.stdout:
       if first is None and TRAIN_LINE.match(line):
         first = time.time() - began
+      if line.startswith(('Metric: ', 'Counter: ')):
+        if metric is None:  # A report's first line.
+          reports.append([time.time(), 0.0])
+        metric = line.split()[1]
+      elif not line.startswith('  '):  # A report's lines are these and indented ones.
+        metric = None
+      elif metric in ('ExecuteTime', 'ExecuteReplicatedTime') and 'Accumulator:' in line:
+        reports[-1][1] += seconds(line.split()[1])
     if proc.wait() != 0:
       sys.exit(f'{script} {" ".join(map(str, args))} failed with exit code {proc.returncode}')
-    return json.loads(out.read_text()), first
+    results = json.loads(out.read_text())
+  results['epoch_device_busy'] = [None] + [(executed - executed_before) / (when - before)
+      for (before, executed_before), (when, executed) in zip(reports, reports[1:])]
+  return results, first
+
+
+def seconds(duration):
+  """Seconds of a duration as torch_xla's metrics report writes it (01m02s034ms800.080us)."""
+  scale = dict(h=3600, m=60, s=1, ms=1e-3, us=1e-6, ns=1e-9)
+  return sum(float(number) * scale[unit] for number, unit in
+             re.findall(r'([\d.]+)(ms|us|ns|h|m|s)', duration))
 
 
 def eager_rate(model_name, img_dim, batch_size, steps):
@@ -107,7 +128,7 @@ def cifar_shards(root, train, test):
   for split, count in (('train', train), ('test', test)):
     images = rng.integers(0, 256, (count, 32, 32, 3), dtype=np.uint8)
     labels = rng.integers(0, 10, count)
-    urls = shard_format.write_shards(images, labels, range(count),
+    urls = make_cifar_shards.write_shards(images, labels, range(count),
                                      str(root / f'cifar-{split}-%06d.tar'),
                                      samples_per_shard=max(1, count // 8))
     patterns.append(f'{root}/cifar-{split}-{{000000..{len(urls) - 1:06d}}}.tar')
@@ -132,7 +153,7 @@ def checkpoint_costs(tmp, name):
   """A checkpoint of model `name` on XLA:CPU: (save seconds, load seconds, MB)."""
   import torch_xla
   import torch_xla.core.xla_model as xm
-  import checkpoints
+  import utils
   device = torch_xla.device()
   model = torchvision.models.get_model(name, num_classes=1000).to(device)
   optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -146,10 +167,10 @@ def checkpoint_costs(tmp, name):
                        lr_scheduler=None, epoch=1, step=1, global_step=1, flags={}, results={},
                        rng=dict(torch=torch.get_rng_state(), xla=xm.get_rng_state()))
   start = time.perf_counter()
-  path = checkpoints.save(state(), str(tmp / 'ckpt'), keep=2, best=False)
+  path = utils.write_checkpoint(state(), str(tmp / 'ckpt'), keep=2, best=False)
   save = time.perf_counter() - start
   start = time.perf_counter()
-  checkpoints.resume(path, None, (model, optimizer, None), dict(num_epochs=1), set(), 1)
+  utils.resume(path, None, (model, optimizer, None), dict(num_epochs=1), 1)
   xm.wait_device_ops()
   load = time.perf_counter() - start
   return save, load, os.path.getsize(path) / 1e6
@@ -237,7 +258,7 @@ def resumed_first_step(tmp, wds_args, epochs, steps):
 
 @contextlib.contextmanager
 def stdout_discarded():
-  """Discards stdout at its file descriptor: xm.master_print (checkpoints.resume's line) writes
+  """Discards stdout at its file descriptor: xm.master_print (utils.resume's line) writes
   to the sys.stdout of its import, past contextlib.redirect_stdout, into the table."""
   sys.stdout.flush()
   kept = os.dup(1)

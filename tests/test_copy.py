@@ -1,55 +1,131 @@
 # SPDX-License-Identifier: BSD-3-Clause
-"""A script copied into another project, as docs/adapt.md says: with the shared modules it
-imports beside it, or without supervision.py under torchrun (the lines it names taken out)."""
+"""A script copied into another project: each kit (the script, utils.py and LICENSE) as
+docs/scripts.md's copy line copies it, alone, as the plain command and under torchrun; and
+docs/adapt.md's worked example with the optional modules."""
 
 import ast
+import os
 import re
 import shlex
+import shutil
+import signal
 import subprocess
 import sys
 import textwrap
 
-from conftest import REPO, assert_one_error, losses, read_json, script_env
+import pytest
 
-SHARED = ['utils.py', 'checkpoints.py', 'image_folders.py']
+from conftest import (REPO, assert_nothing_left, assert_one_error, assert_same_training, read_json,
+                      script_env, wait_for)
 
-
-def without_supervision(source):
-  """The script with supervision.py's lines taken out, as the README tells a copier to:
-  its import, the `with supervision...:` lines (what they hold unindented), the
-  `__mp_main__` block, and `lambda: 0` for supervision.stop_signal."""
-  source = re.sub(r"\nelif __name__ == '__mp_main__':\n(  .*\n)+", '\n', source)
-  lines, out, dedent_below = source.split('\n'), [], None
-  for line in lines:
-    indent = len(line) - len(line.lstrip())
-    if dedent_below is not None and line.strip() and indent <= dedent_below:
-      dedent_below = None
-    if re.match(r'\s*with supervision\.\w+\(.*\):', line):
-      dedent_below = indent
-      continue
-    if line.strip() == 'import supervision':
-      continue
-    out.append(line[2:] if dedent_below is not None else line)
-  return '\n'.join(out).replace('supervision.stop_signal', 'lambda: 0')
+KITS = ['train_resnet_mp.py', 'train_resnet_spmd.py', 'train_single_core.py', 'train_wds_cifar.py']
+OPTIONAL = {'supervisor', 'command'}
 
 
-def test_mp_script_without_supervision_trains_under_torchrun(tmp_path):
-  project = tmp_path / 'project'
+def kit_copy_lines():
+  """{script: the copy line} of the kits docs/scripts.md gives."""
+  page = (REPO / 'docs' / 'scripts.md').read_text()
+  return {m.group(1): m.group(0) for m in re.finditer(r'^cp (train_\w+\.py) .*$', page, re.M)}
+
+
+def copy_kit(script, project):
+  """The kit's copy line of docs/scripts.md, run as it stands, into project (made empty)."""
   project.mkdir()
-  for name in SHARED:
-    (project / name).write_text((REPO / name).read_text())
-  script = project / 'train.py'
-  script.write_text(without_supervision((REPO / 'train_resnet_mp.py').read_text()))
-  assert 'supervision' not in script.read_text()
-  cmd = [sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node=1', script,
-         '--fake_data', '--model', 'resnet18', '--img_dim', 16, '--batch_size', 4,
-         '--test_set_batch_size', 4, '--num_epochs', 1, '--num_steps', 3, '--log_steps', 1,
-         '--results_json', tmp_path / 'r.json']
-  result = subprocess.run(list(map(str, cmd)), cwd=project, env=script_env(),
-                          capture_output=True, text=True, timeout=300)
-  assert result.returncode == 0, result.stderr[-3000:]
-  assert len(losses(result.stdout)) == 3, result.stdout
-  assert read_json(tmp_path / 'r.json')['train_steps'] == 3
+  line = kit_copy_lines()[script].replace('"$PROJECT"', shlex.quote(str(project)))
+  subprocess.run(['bash', '-euc', line], cwd=REPO, check=True)
+
+
+def test_every_kit_is_its_script_utils_and_licence_and_imports_nothing_else():
+  lines = kit_copy_lines()
+  assert sorted(lines) == sorted(KITS), lines
+  ours = {path.stem for path in REPO.glob('*.py')}
+  for script in KITS:
+    assert lines[script] == f'cp {script} utils.py LICENSE "$PROJECT"/'
+    for name in (script, 'utils.py'):
+      imported = set()
+      for node in ast.walk(ast.parse((REPO / name).read_text())):
+        if isinstance(node, ast.Import):
+          imported |= {alias.name.split('.')[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+          imported.add(node.module.split('.')[0])
+      # The optional modules only where the script guards their import (or in run()).
+      assert imported & ours <= {'utils'} | OPTIONAL, (name, imported & ours)
+      assert 'supervisor' not in imported or 'supervisor = None' in (REPO / name).read_text()
+
+
+def start_in(project, *argv):
+  """A copied script started in its project, in a session of its own, output merged."""
+  return subprocess.Popen([sys.executable, *map(str, argv)], cwd=project, env=script_env(),
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+                          start_new_session=True)
+
+
+def signal_after_training_lines(process, count, sig, to_group):
+  """sig to the command (`kill PID`) or its group (a terminal's Ctrl-C) once it has printed
+  count training lines; returns (exit code, the whole output)."""
+  out = wait_for(process, r'^\| Training ', count)
+  (os.killpg if to_group else os.kill)(process.pid, sig)
+  rest, _ = process.communicate(timeout=300)
+  return process.returncode, out + rest
+
+
+def test_kit_alone_stops_on_sigterm_and_resumes_bitwise(tmp_path):
+  # The mp kit without supervisor.py: spawned replica, SIGTERM to the command alone.
+  project = tmp_path / 'project'
+  copy_kit('train_resnet_mp.py', project)
+  argv = ['train_resnet_mp.py', '--fake_data', '--model', 'resnet18', '--img_dim', 16,
+          '--batch_size', 4, '--test_set_batch_size', 4, '--num_epochs', 2, '--num_steps', 6,
+          '--log_steps', 1, '--lr', 0.02]
+  reference = start_in(project, *argv, '--ckpt_dir', tmp_path / 'reference')
+  out, _ = reference.communicate(timeout=600)
+  assert reference.returncode == 0, out[-3000:]
+  assert 'Data:' not in out  # supervisor.py's lines: it is not there.
+  process = start_in(project, *argv, '--ckpt_dir', tmp_path / 'ckpt', '--results_json',
+                     tmp_path / 'r.json')
+  code, out = signal_after_training_lines(process, 3, signal.SIGTERM, to_group=False)
+  assert code == 75, out[-3000:]
+  assert re.search(r'^Stopped by SIGTERM at epoch \d step \d: saved \S+ckpt-\d+\.pt; run the same '
+                   r'command to resume \(exit code 75\)$', out, re.M), out[-3000:]
+  assert read_json(tmp_path / 'r.json')['preempted'] is True
+  assert_nothing_left(session=process.pid)
+  resumed = start_in(project, *argv, '--ckpt_dir', tmp_path / 'ckpt')
+  out, _ = resumed.communicate(timeout=600)
+  assert resumed.returncode == 0 and 'Resumed from' in out, out[-3000:]
+  assert_same_training(tmp_path / 'ckpt', tmp_path / 'reference')
+
+
+TORCHRUN_ARGS = ['--fake_data', '--model', 'resnet18', '--img_dim', 16, '--batch_size', 4,
+                 '--test_set_batch_size', 4, '--num_epochs', 1, '--num_steps', 40,
+                 '--log_steps', 1]
+
+
+@pytest.mark.parametrize('kit', ['kit alone', 'with supervisor.py'])
+@pytest.mark.parametrize('sig', ['SIGTERM to torchrun', 'Ctrl-C'])
+def test_under_torchrun_a_signal_stops_the_worker_with_a_checkpoint(tmp_path, kit, sig):
+  project = tmp_path / 'project'
+  copy_kit('train_resnet_mp.py', project)
+  if kit != 'kit alone':
+    shutil.copy(REPO / 'supervisor.py', project)
+  # torchrun passes SIGTERM or SIGINT on to its workers and kills them 30 s later; a Ctrl-C
+  # in a terminal reaches the worker twice, from the terminal and from torchrun.
+  process = start_in(project, '-m', 'torch.distributed.run', '--nproc_per_node', 1,
+                     'train_resnet_mp.py', *TORCHRUN_ARGS, '--ckpt_dir', tmp_path / 'ckpt',
+                     '--results_json', tmp_path / 'r.json')
+  sigterm = sig.startswith('SIGTERM')
+  code, out = signal_after_training_lines(process, 2, signal.SIGTERM if sigterm else signal.SIGINT,
+                                          to_group=not sigterm)
+  assert 'the replica of this torchrun worker' in out, out[-3000:]
+  name, exit_code = ('SIGTERM', 75) if sigterm else (r'Ctrl-C \(SIGINT\)', 130)
+  stopped = re.search(rf'^Stopped by {name} at epoch 1 step (\d+): saved (\S+); run the same '
+                      rf'command to resume \(exit code {exit_code}\)$', out, re.M)
+  assert stopped, out[-3000:]
+  assert os.path.exists(stopped.group(2))
+  results = read_json(tmp_path / 'r.json')  # What a restart policy can read: torchrun says 1.
+  assert results['checkpoint'] == stopped.group(2)
+  assert results['preempted' if sigterm else 'interrupted'] is True
+  assert code == 1, out[-3000:]  # torchrun's own code after a signal.
+  assert 'Stopped at once' not in out  # The second delivery of a Ctrl-C ends nothing.
+  assert_nothing_left(session=process.pid)
 
 
 def readme_adapt_steps():
@@ -123,7 +199,7 @@ def test_a_dataset_loader_workers_cannot_receive_is_one_line_before_any_replica(
   # their loader workers by spawn, which must pickle it, and cannot.
   project = tmp_path / 'project'
   project.mkdir()
-  for name in SHARED + ['supervision.py']:
+  for name in ['utils.py', 'supervisor.py']:
     (project / name).write_text((REPO / name).read_text())
   source = (REPO / 'train_resnet_mp.py').read_text()
   start = source.index('def build_datasets(')

@@ -254,7 +254,7 @@ def test_shard_writer_mistakes_are_one_line(tmp_path, case):
 POOL = '''
 import concurrent.futures, multiprocessing, os, signal, sys, time
 sys.path.insert(0, sys.argv[1])
-import supervision
+import supervisor
 import utils
 
 def replica(index):
@@ -263,12 +263,12 @@ def replica(index):
     with open('failed_at', 'w') as f:
       f.write(str(time.time()))
     if sys.argv[2] == 'fails':
-      supervision.replica_failed(utils.BadDataError('cannot read image x.png: replace the file'))
+      utils.replica_failed(utils.BadDataError('cannot read image x.png: replace the file'))
     os.kill(os.getpid(), signal.SIGKILL)  # As the OOM killer does.
   time.sleep(600)
 
 if __name__ == '__main__':
-  with supervision.run_watched(launcher=True, saving=False):
+  with supervisor.watched(launcher=True, saving=False):
     with concurrent.futures.ProcessPoolExecutor(4, multiprocessing.get_context('spawn')) as pool:
       print(list(pool.map(replica, range(4))))
 '''

@@ -5,6 +5,7 @@ uint8 tensors, and the normalisation the step does on the XLA device."""
 
 import io
 import re
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -13,7 +14,8 @@ import torch_xla
 import torchvision
 from PIL import Image
 
-import image_folders
+import supervisor
+import train_single_core
 import utils
 
 SEED = 7
@@ -40,7 +42,7 @@ def test_every_file_reads_as_the_rgb_pixels_pil_gives(tmp_path, name, mode, opti
   print('seed', SEED)
   path = tmp_path / name
   photo(mode).save(path, **options)
-  image = image_folders.load_image(path)
+  image = utils.load_image(path)
   assert image.dtype == torch.uint8 and image.shape == (3, 30, 40)
   with Image.open(path) as expected:
     expected = np.asarray(expected.convert('RGB'))
@@ -59,7 +61,7 @@ def test_a_file_that_cannot_be_read_is_one_line_naming_it(tmp_path, name, cut):
   path.write_bytes(data[:max(4, int(len(data) * cut))] if cut else
                    np.random.default_rng(SEED).bytes(3000))
   with pytest.raises(utils.BadDataError) as error:
-    image_folders.load_image(path)
+    utils.load_image(path)
   assert re.fullmatch(rf'cannot read image {re.escape(str(path))} \([^\n]+\): replace or remove '
                       r'the file', str(error.value)), error.value
 
@@ -69,7 +71,7 @@ def test_folders_give_uint8_crops_seeded_per_sample(tmp_path):
     for i in range(3):
       (tmp_path / split / f'c{i}').mkdir(parents=True)
       photo('RGB', np.random.default_rng(i)).save(tmp_path / split / f'c{i}' / f'{i}.jpg')
-  train, val = image_folders.load(tmp_path, 24)
+  train, val, _ = train_single_core.build_datasets(SimpleNamespace(datadir=str(tmp_path), img_dim=24))
   seeded = utils.SeededSamples(train)
   first, label = seeded[(SEED, 1)]
   assert first.dtype == torch.uint8 and first.shape == (3, 24, 24) and label == 1
@@ -77,11 +79,11 @@ def test_folders_give_uint8_crops_seeded_per_sample(tmp_path):
   assert not torch.equal(seeded[(SEED + 1, 1)][0], first)
   image, label = val[2]
   # Evaluation: resized to 27 (256/224 of 24) on the short side, the centre 24x24.
-  resized = torchvision.transforms.v2.functional.resize(image_folders.load_image(
+  resized = torchvision.transforms.v2.functional.resize(utils.load_image(
       tmp_path / 'val' / 'c2' / '2.jpg'), 27)
   assert torch.equal(image, torchvision.transforms.v2.functional.center_crop(resized, 24))
-  assert utils.check_datasets(train, val, 3) == ('Data: 3 training and 3 evaluation samples of '
-                                                  '3x24x24 uint8, 3 classes')
+  assert supervisor.check_datasets(train, val, 3) == ('Data: 3 training and 3 evaluation samples '
+                                                       'of 3x24x24 uint8, 3 classes')
 
 
 def test_the_step_normalises_uint8_on_the_device_as_torchvision_does_on_the_host():

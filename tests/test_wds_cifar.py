@@ -23,8 +23,9 @@ import pytest
 import torch
 import webdataset as wds
 
-import checkpoints
-import shard_format
+import make_cifar_shards
+import supervisor
+import train_wds_cifar
 import train_wds_cifar as wds_cifar
 import utils
 from conftest import (COLOURS, assert_one_error, assert_same_training, finish, make_cifar_python,
@@ -90,12 +91,12 @@ def test_writer_stores_every_image_and_label_exactly(shards):
   assert [p.name for p in test] == [f'cifar-test-{i:06d}.tar' for i in range(4)]
   # Test shards keep the file's order; every image is byte-identical.
   images, labels = cifar_split(shards / 'cifar-10-batches-py', 'test_batch')
-  read = list(shard_format.read_samples([str(p) for p in test], never))
+  read = list(train_wds_cifar.read_samples([str(p) for p in test], never))
   assert all((a == b).all() and l == m for (a, l), b, m in zip(read, images, labels, strict=True))
   # Training shards hold all 480 training samples once, shuffled across the 5 batches.
   parts = [cifar_split(shards / 'cifar-10-batches-py', f'data_batch_{i}') for i in range(1, 6)]
   expected = sorted((img.tobytes(), int(l)) for part in parts for img, l in zip(*part))
-  read = list(shard_format.read_samples([str(p) for p in train], never))
+  read = list(train_wds_cifar.read_samples([str(p) for p in train], never))
   assert sorted((img.tobytes(), l) for img, l in read) == expected
   first_labels = [l for _, l in read[:50]]
   assert len(set(first_labels)) == len(COLOURS)  # Shuffled: every shard holds every class.
@@ -104,11 +105,11 @@ def test_writer_stores_every_image_and_label_exactly(shards):
 def test_writer_repeat_png_and_fsspec_output(shards, tmp_path):
   images, labels = cifar_split(shards / 'cifar-10-batches-py', 'data_batch_1')
   order = list(range(len(labels))) * 2
-  urls = shard_format.write_shards(images, labels, order, 'memory://out/c-train-%06d.tar', 64,
+  urls = make_cifar_shards.write_shards(images, labels, order, 'memory://out/c-train-%06d.tar', 64,
                                    'png')
   assert urls == [f'memory://out/c-train-{i:06d}.tar' for i in range(3)]
   assert not fsspec.filesystem('memory').glob('/out/*.tmp')
-  read = list(shard_format.read_samples(urls, never))
+  read = list(train_wds_cifar.read_samples(urls, never))
   assert len(read) == 192 and [l for _, l in read] == list(labels) * 2
   assert all(np.array_equal(image, images[i]) for (image, _), i in zip(read, order, strict=True))
   # PNG, as other tools read them: webdataset's own pipeline and PIL.
@@ -133,8 +134,8 @@ def test_writer_reads_an_image_folder(tmp_path):
                                   8, '--test_set_batch_size', 10, '--log_steps', 1), timeout=300)
   assert code == 0, out[-3000:]
   assert re.search(r'^Epoch 1 test end .*, Accuracy=[\d.]+$', out, re.M)
-  train = list(shard_format.read_samples(sorted(map(str, (tmp_path / 'out').glob('c-train-*'))), never))
-  test = list(shard_format.read_samples([str(tmp_path / 'out' / 'c-test-000000.tar')], never))
+  train = list(train_wds_cifar.read_samples(sorted(map(str, (tmp_path / 'out').glob('c-train-*'))), never))
+  test = list(train_wds_cifar.read_samples([str(tmp_path / 'out' / 'c-test-000000.tar')], never))
   assert len(train) == 120 and len(test) == 20
   assert [l for _, l in test] == [0] * 5 + [1] * 5 + [2] * 5 + [3] * 5
   # The colour of each image matches its class: red is class 2.
@@ -148,13 +149,13 @@ def test_checkpoints_to_a_url_keep_the_newest_and_the_best():
   for step in (2, 4, 6):
     state = dict(model={'w': torch.full((4,), float(step))}, optimizer={}, lr_scheduler=None,
                  epoch=1, step=step, global_step=step, rng={}, flags={}, results={})
-    checkpoints.save(state, ckpt_dir, keep=2, best=step == 4)
+    utils.write_checkpoint(state, ckpt_dir, keep=2, best=step == 4)
   names = sorted(fsspec.filesystem('memory').ls('/ckpt/run1', detail=False))
   assert names == ['/ckpt/run1/best.pt', '/ckpt/run1/ckpt-00000004.pt', '/ckpt/run1/ckpt-00000006.pt']
-  path, state = checkpoints.find(None, ckpt_dir)
+  path, state = utils.find_checkpoint(None, ckpt_dir)
   assert path == 'memory://ckpt/run1/ckpt-00000006.pt'
   assert torch.equal(state['model']['w'], torch.full((4,), 6.0))
-  assert torch.equal(checkpoints.load(f'{ckpt_dir}/best.pt')['model']['w'], torch.full((4,), 4.0))
+  assert torch.equal(utils.load_checkpoint(f'{ckpt_dir}/best.pt')['model']['w'], torch.full((4,), 4.0))
 
 
 def train_shards(urls, rank, world_size, batches, **flags):
@@ -278,9 +279,9 @@ def truncated_copy(src, dst):
 def test_truncated_shard_is_skipped_with_a_warning_or_fatal(shards, tmp_path, capsys):
   test = [str(p) for p in sorted((shards / 'shards').glob('cifar-test-*.tar'))]
   bad = truncated_copy(shards / 'shards' / 'cifar-test-000001.tar', tmp_path / 'bad.tar')
-  counter = shard_format.BadData(strict=False)
+  counter = train_wds_cifar.BadData(strict=False)
   missing = str(tmp_path / 'missing.tar')
-  read = list(shard_format.read_samples([test[0], bad, missing, test[2]], counter))
+  read = list(train_wds_cifar.read_samples([test[0], bad, missing, test[2]], counter))
   assert counter.count == 2
   assert 100 < len(read) < 150  # The good shards and the readable start of the bad one.
   err = capsys.readouterr().err
@@ -288,7 +289,7 @@ def test_truncated_shard_is_skipped_with_a_warning_or_fatal(shards, tmp_path, ca
   assert re.search(r'^warning: shard \S*missing\.tar cannot be read .*FileNotFoundError', err,
                    re.M)
   with pytest.raises(utils.BadDataError, match=r'bad\.tar cannot be read.*--fail_on_bad_data'):
-    list(shard_format.read_samples([bad], shard_format.BadData(strict=True)))
+    list(train_wds_cifar.read_samples([bad], train_wds_cifar.BadData(strict=True)))
 
 
 def test_shard_cut_inside_a_tar_header_is_a_bad_shard(shards, tmp_path, capsys):
@@ -304,8 +305,8 @@ def test_shard_cut_inside_a_tar_header_is_a_bad_shard(shards, tmp_path, capsys):
     data = (shards / 'shards' / f'cifar-test-{i:06d}.tar').read_bytes()
     (tmp_path / 'test' / f'cifar-test-{i:06d}.tar').write_bytes(data[:cut] if i == 1 else data)
   test = [str(tmp_path / 'test' / f'cifar-test-{i:06d}.tar') for i in range(4)]
-  counter = shard_format.BadData(strict=False)
-  read = list(shard_format.read_samples(test, counter))
+  counter = train_wds_cifar.BadData(strict=False)
+  read = list(train_wds_cifar.read_samples(test, counter))
   assert counter.count == 1 and len(read) == 150 + starts.index(cut - cut % 512) + 1, len(read)
   assert re.search(r'^warning: shard \S*cifar-test-000001\.tar cannot be read to the end \(it ends '
                    rf'inside a tar header, after {cut} bytes: the rest of it is lost\); skipped$',
@@ -333,8 +334,8 @@ def test_sample_without_label_is_skipped(tmp_path):
   path = write_tar(tmp_path / 'odd.tar', [('a.rgb', bytes(3072)), ('a.cls', b'1'),
                                           ('b.rgb', bytes(3072)), ('c.rgb', bytes(5)),
                                           ('c.cls', b'2')])
-  counter = shard_format.BadData(strict=False)
-  read = list(shard_format.read_samples([path], counter))
+  counter = train_wds_cifar.BadData(strict=False)
+  read = list(train_wds_cifar.read_samples([path], counter))
   assert [label for _, label in read] == [1] and counter.count == 2
 
 
@@ -344,10 +345,10 @@ def test_bad_sample_warnings_stop_after_a_few_and_the_count_goes_on(tmp_path, ca
   # Two loader workers of a replica count in one shared tensor, one slot each.
   counts = torch.zeros(2, dtype=torch.int64).share_memory_()
   for worker in (0, 1):
-    assert list(shard_format.read_samples([bad], shard_format.BadData(False, counts, worker))) == []
+    assert list(train_wds_cifar.read_samples([bad], train_wds_cifar.BadData(False, counts, worker))) == []
   assert counts.tolist() == [40, 40]
   warnings = capfd.readouterr().err.splitlines()
-  assert len(warnings) == shard_format.BadData.SHOWN == 5
+  assert len(warnings) == train_wds_cifar.BadData.SHOWN == 5
   assert all(re.match(r'warning: sample \d{4} of \S+bad\.tar has no readable png image and cls '
                       r'label \(UnidentifiedImageError', line) for line in warnings), warnings
   assert warnings[-1].endswith('skipped (more are counted, not shown: see the count at the end)')
@@ -376,7 +377,7 @@ def test_reads_every_image_format_of_the_tutorials_in_one_set(tmp_path):
   with wds.TarWriter(str(tmp_path / 'mixed.tar')) as sink:
     for i, sample in enumerate(samples):
       sink.write({'__key__': f'{i:06d}', **sample, 'cls': i})
-  read = list(shard_format.read_samples([str(tmp_path / 'mixed.tar')], never))
+  read = list(train_wds_cifar.read_samples([str(tmp_path / 'mixed.tar')], never))
   assert [label for _, label in read] == list(range(len(samples)))
   expected = [*images, np.repeat(gray[:, :, None], 3, 2), rgba[:, :, :3]]
   for i, ((image, _), source) in enumerate(zip(read, expected, strict=True)):
@@ -411,19 +412,19 @@ def http_shards(shards):
 
 def test_reads_shards_from_a_pipe_command(shards):
   test = sorted((shards / 'shards').glob('cifar-test-*.tar'))
-  piped = list(shard_format.read_samples([f'pipe:cat {p}' for p in test], never))
-  local = list(shard_format.read_samples([str(p) for p in test], never))
+  piped = list(train_wds_cifar.read_samples([f'pipe:cat {p}' for p in test], never))
+  local = list(train_wds_cifar.read_samples([str(p) for p in test], never))
   assert len(piped) == 200
   assert all((a == b).all() and l == m for (a, l), (b, m) in zip(local, piped, strict=True))
 
 
 def test_reads_shards_over_http(http_shards, shards):
   urls = list(braceexpand.braceexpand(http_shards + '/cifar-test-{000000..000003}.tar'))
-  assert not any(map(shard_format.shard_missing, urls))
-  assert shard_format.shard_missing(http_shards + '/nope.tar')  # 404: missing, not unreachable.
-  local = list(shard_format.read_samples(
+  assert not any(map(supervisor.shard_missing, urls))
+  assert supervisor.shard_missing(http_shards + '/nope.tar')  # 404: missing, not unreachable.
+  local = list(train_wds_cifar.read_samples(
       [str(p) for p in sorted((shards / 'shards').glob('cifar-test-*.tar'))], never))
-  remote = list(shard_format.read_samples(urls, never))
+  remote = list(train_wds_cifar.read_samples(urls, never))
   assert len(remote) == 200
   assert all((a == b).all() and l == m for (a, l), (b, m) in zip(local, remote, strict=True))
 
@@ -453,7 +454,7 @@ def test_trains_on_the_tutorials_shards_over_http_to_high_accuracy(http_shards, 
   assert len(skipped) == 2 and all(int(n) >= 25 for n in skipped), result.stdout
   assert results['skipped_bad_data'] == sum(map(int, skipped))
   warnings = re.findall(r'^warning: sample \d{7} of \S+ has no readable ppm image', result.stderr, re.M)
-  assert 2 <= len(warnings) <= 2 * (shard_format.BadData.SHOWN + 1), result.stderr
+  assert 2 <= len(warnings) <= 2 * (train_wds_cifar.BadData.SHOWN + 1), result.stderr
   assert re.search(r'^Epoch 2 train end .*, Reduced GlobalRate=\d+\.\d\d$', result.stdout, re.M)
   assert re.search(r'^Total train time: [\d.]+ s$', result.stdout, re.M)
   counts = results['compilations_after_epoch']

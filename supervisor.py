@@ -1,0 +1,478 @@
+# SPDX-License-Identifier: BSD-3-Clause
+"""What only the process the user starts does, around the replicas it launches: optional.
+
+A training script imports this module in one guarded place and runs without it as
+upstream's scripts do, through torch_xla.launch, with everything utils.py gives every
+replica (checkpoints, the exact resume, the stop on SIGTERM or Ctrl-C after an agreed step,
+the exit codes). With it, a run also gets:
+- checks before any replica starts, each a line instead of one traceback per replica: the
+  data and the model built once and said ("Data:", "Model:", "Recipe:"), a dataset loader
+  workers cannot receive, image folders (their layout, empty classes, links that reach an
+  image twice), shards that are missing or of another format, output folders that take no
+  file, a bucket or server that does not answer within REMOTE_SECONDS; the loader workers
+  capped at the CPUs there are; gcsfs's retries kept quiet;
+- the watched run: the line a stop signal prints at once (the step and the save can take a
+  minute), a second Ctrl-C that ends the run at once, and a replica that fails or is killed
+  ending the others and their loader workers instead of leaving them waiting in a collective
+  (torch_xla.launch waits for replica 0 first), so that nothing is left running.
+
+Under torchrun (or a launcher of your own) the launcher does the second part itself: this
+module then only checks and says what runs. Not to be confused with launch_pod.py, which
+starts a script on every worker of a pod.
+"""
+
+import collections
+import concurrent.futures
+import contextlib
+import logging
+import multiprocessing
+import numbers
+import os
+import pickle
+import select
+import signal
+import sys
+import threading
+import time
+import types
+
+import braceexpand
+import fsspec
+import numpy as np
+import torch
+import torchvision
+import webdataset as wds
+
+import utils
+
+REMOTE_SECONDS = 20  # The wait at start for a bucket or server (gcsfs alone retries ~35 s).
+IMG_EXTENSIONS = torchvision.datasets.folder.IMG_EXTENSIONS
+
+# gcsfs and google-auth log each retry and credential fallback, tracebacks included, through
+# absl's handler: a bucket out of reach was a hundred lines. The checks say it in one.
+for _noisy in ('gcsfs', 'google.auth', 'fsspec'):
+  logging.getLogger(_noisy).setLevel(logging.CRITICAL)
+
+
+# ----------------------------------------------------------------- the checks before the start
+
+
+def check_job(cfg, build_datasets, build_model, fake_classes, recipe, workers_given):
+  """Builds the data and the model once, before any replica starts, and says what they are:
+  bad input is one line, not one per replica. Caps cfg.num_workers at the CPUs there are
+  (workers_given: the user asked for that number) and probes the output folders. recipe:
+  where the optimiser settings come from, for the "Recipe:" line."""
+  if cfg.fake_data:
+    num_classes = fake_classes
+    print(f'Data: fake, constant batches of 3x{cfg.img_dim}x{cfg.img_dim}, {num_classes} classes')
+  else:
+    cfg.num_workers = usable_workers(cfg.num_workers, workers_given)
+    train_set, test_set, num_classes = build_datasets(cfg)
+    print(check_datasets(train_set, test_set, num_classes))
+    if cfg.num_workers and getattr(cfg, 'num_cores', None) != 1:  # Workers start by spawn.
+      check_picklable(dict(training=train_set, evaluation=test_set))
+  print(describe_model(cfg.model, build_model(cfg, num_classes), num_classes))
+  print(describe_recipe(cfg, recipe), flush=True)
+  check_outputs(cfg.ckpt_dir, cfg.logdir, cfg.results_json, cfg.compile_cache_dir)
+
+
+def check_datasets(train_set, eval_set, num_classes):
+  """What a script's build_datasets made, checked at start on the first and last sample of
+  each set: (C x H x W uint8 or float tensor, integer label below num_classes), one shape and
+  dtype in both. Returns a line that says what the data is."""
+  shapes = {}
+  for name, dataset in (('training', train_set), ('evaluation', eval_set)):
+    if not hasattr(dataset, '__len__') or len(dataset) == 0:
+      raise utils.UsageError(f'build_datasets: the {name} set is empty or has no len(): give a '
+                       'map-style dataset (len() and [index]) of samples')
+    for index in sorted({0, len(dataset) - 1}):
+      where, sample = f'{name} sample {index}', dataset[index]
+      image, label = sample if isinstance(sample, (tuple, list)) and len(sample) == 2 else (0, 0)
+      if not (torch.is_tensor(image) and image.dim() == 3 and
+              (image.is_floating_point() or image.dtype == torch.uint8)):
+        raise utils.UsageError(f'build_datasets: {where} is {_kind(sample)}: give (C x H x W uint8 '
+                         'or float tensor, label)')
+      label = label.item() if torch.is_tensor(label) and label.dim() == 0 else label
+      if not (isinstance(label, numbers.Integral) and 0 <= label < num_classes):
+        raise utils.UsageError(f'build_datasets: {where} has label {_kind(label)}: give integers '
+                         f'from 0 to {num_classes - 1} (the class count it returned)')
+      kind = 'x'.join(map(str, image.shape)) + ' ' + str(image.dtype).removeprefix('torch.')
+      shapes.setdefault(kind, where)
+  if len(shapes) > 1:
+    (shape, where), (other, other_where) = list(shapes.items())[:2]
+    raise utils.UsageError(f'build_datasets: {other_where} is {other}, {where} is {shape}: give samples '
+                     'of one shape and dtype (batches stack them; a new shape compiles a new '
+                     'graph)')
+  return (f'Data: {len(train_set):,} training and {len(eval_set):,} evaluation samples of '
+          f'{next(iter(shapes))}, {num_classes} classes')
+
+
+def _kind(value):
+  if torch.is_tensor(value):
+    return f'a {"x".join(map(str, value.shape)) or "0-d"} {value.dtype} tensor'
+  if isinstance(value, (tuple, list)):
+    return f'a {type(value).__name__} of {", ".join(map(_kind, value))}'
+  return repr(value) if isinstance(value, (int, float, str)) else f'a {type(value).__name__}'
+
+
+class _WorkerPickle(pickle.Pickler):
+  """What a loader worker started by spawn is sent of a dataset, but for its tensors and arrays
+  (taken as they are: only whether it can be sent is asked, not what it weighs)."""
+  dispatch_table = {torch.Tensor: lambda tensor: (tuple, ()), np.ndarray: lambda array: (tuple, ())}
+
+
+def check_picklable(datasets):
+  """Loader workers that a replica starts by spawn get each dataset pickled: a class defined
+  inside a function (or a lambda transform) cannot be, which would be a traceback from the
+  replica after start-up. Said here in one line instead."""
+  for name, dataset in datasets.items():
+    try:
+      _WorkerPickle(types.SimpleNamespace(write=len)).dump(dataset)  # Written nowhere.
+    except Exception as e:  # pickle.PicklingError, AttributeError (a local class), TypeError
+      raise utils.UsageError(f'build_datasets: the {name} set ({type(dataset).__name__}) cannot be '
+                       f'sent to loader worker processes ({e}): define its class (and any '
+                       'function it holds) at module level, or give --num_workers 0') from None
+
+
+def describe_model(name, model, num_classes):
+  """The line that says which model a run trains, as build_model made it."""
+  parameters = sum(parameter.numel() for parameter in model.parameters())
+  return (f'Model: {name} ({type(model).__name__}, {parameters / 1e6:.2f}M parameters, '
+          f'{num_classes} classes)')
+
+
+def describe_recipe(cfg, source):
+  """The line that says which optimiser settings a run uses, and where they came from."""
+  schedule = 'constant'
+  if cfg.lr_scheduler_type == 'WarmupAndExponentialDecayScheduler':
+    schedule = (f'linear warm-up over {cfg.lr_warmup_epochs:g} epochs, then divided by '
+                f'{cfg.lr_scheduler_divisor:g} every {cfg.lr_scheduler_divide_every_n_epochs} epochs')
+  return (f'Recipe: SGD, lr {cfg.lr:g} {schedule}, momentum {cfg.momentum:g}, weight decay '
+          f'{cfg.weight_decay:g} ({source})')
+
+
+def usable_workers(num_workers, given):
+  """num_workers, at most the CPUs this process may use: more loader workers only add start-up
+  time and memory (on 2 cores, 8 workers made a 1-minute run take 4.5). given: the user asked
+  for this number (a default is lowered without a word)."""
+  cpus = len(os.sched_getaffinity(0))
+  if num_workers <= cpus:
+    return num_workers
+  if given:
+    print(f'--num_workers {num_workers} is more than the {cpus} CPUs this process may use: '
+          f'using {cpus}', flush=True)
+  return cpus
+
+
+def check_outputs(ckpt_dir, logdir, results_json, compile_cache_dir=None):
+  """A probe file into each output folder given: a place that takes none fails before training,
+  not after it. First frees what a killed save left in ckpt_dir."""
+  if compile_cache_dir and '://' in compile_cache_dir:
+    raise utils.UsageError(f'--compile_cache_dir {compile_cache_dir}: torch_xla writes its compile '
+                     "cache with plain file I/O: give a folder on this host's disk or a "
+                     'mounted one')
+  folders = dict(ckpt_dir=ckpt_dir, logdir=logdir, compile_cache_dir=compile_cache_dir,
+                 results_json=results_json and (os.path.dirname(results_json) or '.'))
+  for flag, folder in ((flag, folder) for flag, folder in folders.items() if folder):
+    try:
+      reach(folder, lambda: _write_probe(folder, leftovers=flag == 'ckpt_dir'))
+    except utils.UsageError:
+      raise
+    except Exception as e:  # PermissionError, NotADirectoryError, a bucket's auth error, ...
+      raise utils.UsageError(f'cannot write to --{flag} {folder} ({type(e).__name__}: {e}): give a '
+                       'folder or bucket this job can write') from None
+
+
+def _write_probe(folder, leftovers):
+  fs, path = fsspec.core.url_to_fs(folder)
+  if leftovers:
+    try:
+      for name in fs.glob(f'{path.rstrip("/")}/*.pt.tmp*'):
+        fs.rm(name)
+    except OSError:
+      pass  # Said by the probe.
+  fs.makedirs(path, exist_ok=True)
+  fs.pipe_file(f'{path.rstrip("/")}/.write-test-{os.getpid()}', b'ok')
+  fs.rm(f'{path.rstrip("/")}/.write-test-{os.getpid()}')
+
+
+_reached = set()
+
+
+def reach(url, call):
+  """call(), which asks url's file system something. For a URL of the network (gs://, http://,
+  ...) a line says so first, and one that does not answer within REMOTE_SECONDS (no
+  network, a server that hangs) is a utils.UsageError then, not a minute of retries."""
+  if fsspec.utils.get_protocol(url) in ('file', 'local', 'memory'):
+    return call()
+  place = '/'.join(url.split('/')[:3])  # scheme://bucket or scheme://host: said once each
+  if place not in _reached:
+    print(f'Reaching {place} (up to {REMOTE_SECONDS} s) ...', flush=True)
+    _reached.add(place)
+  outcome = {}
+
+  def attempt():
+    try:
+      outcome['value'] = call()
+    except BaseException as e:  # noqa: B036 (raised again below, in the caller's thread)
+      outcome['error'] = e
+
+  thread = threading.Thread(target=attempt, name='reach', daemon=True)  # Left behind if hung.
+  thread.start()
+  thread.join(REMOTE_SECONDS)
+  if thread.is_alive():
+    raise utils.UsageError(f'{url} did not answer within {REMOTE_SECONDS} s: check the network, the '
+                     'address and the credentials')
+  if 'error' in outcome:
+    raise outcome['error']
+  return outcome.get('value')
+
+
+# -------------------------------------------------------------------------- image folders
+
+
+def check_image_folders(root, splits):
+  """ImageFolder datasets of root/SPLIT for each split (no transform), or a utils.UsageError when a
+  split is not a folder of class folders of images, or the splits' classes differ."""
+  datasets = []
+  for folder in (os.path.join(root, split) for split in splits):
+    if not os.path.isdir(folder):
+      raise utils.UsageError(f'{folder} is not a folder: {root} needs {" and ".join(splits)} with '
+                       f'one folder of images per class ({folder}/CLASS/x.jpg)')
+    try:
+      dataset = torchvision.datasets.ImageFolder(folder, loader=utils.load_image, allow_empty=True)
+    except FileNotFoundError:
+      raise utils.UsageError(f'{folder} has no class folders: put the images of each class in '
+                       f'{folder}/CLASS_NAME/') from None
+    empty = sorted(set(dataset.classes) - {dataset.classes[label] for label in dataset.targets})
+    if empty:
+      raise utils.UsageError(f'class folder {os.path.join(folder, empty[0])} has no images '
+                       f'({" ".join(IMG_EXTENSIONS)}): add images or remove the folder')
+    if _links(folder):  # ImageFolder follows them: an image must still count once.
+      _check_one_path_each(dataset.samples, folder)
+    if datasets and dataset.classes != datasets[0].classes:
+      raise utils.UsageError(f'{folder} and {os.path.join(root, splits[0])} must hold the same '
+                       'class folders')
+    datasets.append(dataset)
+  return datasets
+
+
+def _links(folder):
+  """The symbolic links below folder, not followed (scandir reads this without a stat)."""
+  found, todo = [], [folder]
+  while todo:
+    with os.scandir(todo.pop()) as entries:
+      for entry in entries:
+        if entry.is_symlink():
+          found.append(entry.path)
+        elif entry.is_dir():
+          todo.append(entry.path)
+  return found
+
+
+def _check_one_path_each(samples, folder):
+  """A utils.UsageError naming the link when a link makes folder reach one image twice (a loop
+  such as CLASS/loop -> ., or a link into another class, which mislabels that image)."""
+  seen = {}
+  for path, _ in samples:
+    real = os.path.realpath(path)
+    if real in seen:
+      link = _link_in(path, folder) or _link_in(seen[real], folder)
+      raise utils.UsageError(f'{folder} reaches {real} twice, as {seen[real]} and as {path}, through '
+                       f'the symbolic link {link}: remove the link, or keep each image in one '
+                       'class folder only')
+    seen[real] = path
+
+
+def _link_in(path, folder):
+  """The first symbolic link on the way from folder to path, or None."""
+  parts = os.path.relpath(path, folder).split(os.sep)
+  return next((link for link in (os.path.join(folder, *parts[:i])
+                                 for i in range(1, len(parts) + 1)) if os.path.islink(link)), None)
+
+
+# -------------------------------------------------------------------------------- shards
+
+
+def shard_missing(url):
+  """Whether the shard does not exist; a utils.UsageError if its server or bucket cannot be asked."""
+  try:
+    reach(url, lambda: _info(url))
+    return False
+  except utils.UsageError:
+    raise
+  except FileNotFoundError as e:
+    # fsspec's http also says this for a server it cannot reach, with the connection's
+    # error (an OSError) as the cause.
+    if not isinstance(e.__cause__, OSError) or isinstance(e.__cause__, FileNotFoundError):
+      return True
+    error = e.__cause__
+  except Exception as e:  # A name that does not resolve, a bucket without credentials, ...
+    error = e
+  raise utils.UsageError(f'cannot reach {url} ({type(error).__name__}: {error}): check that '
+                         'the server or bucket is up and the address is right')
+
+
+def _info(url):
+  fs, path = fsspec.core.url_to_fs(url)
+  return fs.info(path)
+
+
+def check_shards(flag, pattern, strict, decode, foreign):
+  """A utils.UsageError if no shard of the pattern exists (pipe: commands are not checked), or if
+  some do not and strict; else a warning line naming those that will be skipped; and if the
+  first sample is of another format: decode(sample) raises foreign. Returns the number of
+  shards the pattern names."""
+  urls = list(braceexpand.braceexpand(pattern))
+  missing = [url for url in urls if not url.startswith('pipe:') and shard_missing(url)]
+  if len(missing) == len(urls):
+    raise utils.UsageError(f'--{flag}: no shard found at {pattern} (first: {urls[0]}); check the '
+                           'path or URL and the {first..last} range')
+  if missing:
+    message = f'--{flag}: {len(missing)} of {len(urls)} shards do not exist, e.g. {missing[0]}'
+    if strict:
+      raise utils.UsageError(f'{message}: fix the pattern, or drop --fail_on_bad_data to skip them')
+    print(f'warning: {message}; they will be skipped', file=sys.stderr, flush=True)
+  first = next((url for url in urls if url not in missing and not url.startswith('pipe:')), None)
+  if first:
+    check_format(flag, first, decode, foreign)
+  return len(urls)
+
+
+def check_format(flag, url, decode, foreign):
+  """A utils.UsageError if the first sample of the shard is not of a kind this script reads: shards
+  of another format are one line at start, not a warning for every sample."""
+  try:
+    with fsspec.open(url, 'rb') as stream:
+      files = wds.tariterators.tar_file_expander([dict(url=url, stream=stream)])
+      sample = next(wds.tariterators.group_by_keys(files))
+  except Exception:
+    return  # No sample can be read: skipped with a warning (or fatal) when it is.
+  try:
+    decode(sample)
+  except foreign as e:
+    raise utils.UsageError(f'--{flag}: sample {sample["__key__"]} of {url} {e}') from None
+  except ValueError:
+    pass  # One corrupt sample: skipped with a warning (or fatal) when it is read.
+
+
+# ------------------------------------------------------------------ the watch over the run
+
+
+_replicas = {}  # pid: multiprocessing.Process of every replica seen, alive or not.
+_ending = threading.RLock()  # Held by the thread that ends the run (a handler may re-enter).
+
+
+@contextlib.contextmanager
+def watched(launcher, saving):
+  """In the process the user started, around the run: a thread of its own takes SIGTERM and
+  SIGINT, so that it acts at once even while the main thread is busy in XLA (compiling,
+  say). The first asks for a stop after the current step (utils.request_stop), a second
+  Ctrl-C ends the run at once. A launcher (see utils.spawns_replicas) passes them on to its
+  replicas (`kill PID` reaches it alone), and the same thread watches them: torch_xla.launch
+  waits for replica 0 first, and would wait forever for a run whose other replica failed,
+  so when one ends with an error or a signal (the OOM killer's, say) the thread kills the
+  others and their loader workers and exits with that code (128 + N for signal N). saving:
+  whether a stop saves a checkpoint (the line the first signal prints at once says so).
+  Under torchrun a Ctrl-C reaches this process twice, from the terminal and from torchrun,
+  and torchrun ends its workers itself: a second signal changes nothing there."""
+  utils.whole_lines()
+  wakeup_read, wakeup_write = os.pipe()
+  os.set_blocking(wakeup_write, False)
+  for signum in utils.STOP_SIGNALS:
+    signal.signal(signum, lambda signum, frame: None)  # The watch thread acts on them.
+  signal.set_wakeup_fd(wakeup_write)
+  at_once = not torch.distributed.is_torchelastic_launched()
+  threading.Thread(target=_watch, args=(wakeup_read, launcher, saving, at_once),
+                   daemon=True).start()
+  try:
+    yield
+  except concurrent.futures.process.BrokenProcessPool:  # A replica died: the watch says how.
+    for _ in range(50):
+      _check_replicas()
+      time.sleep(0.1)
+    _end_run(1, 'error: a replica process ended abruptly; ended the other replicas')
+  finally:
+    utils.end_loader_workers()
+
+
+def _watch(wakeup, launcher, saving, at_once):
+  while True:
+    if select.select([wakeup], [], [], 0.2)[0]:
+      for signum in os.read(wakeup, 64):
+        if signum == signal.SIGINT and utils.stop_signal() and at_once:
+          _end_run(utils.EXIT_INTERRUPTED, f'Stopped at once by a second {utils.INTERRUPT}: nothing '
+                   f'saved since the last checkpoint (exit code {utils.EXIT_INTERRUPTED})')
+        first = not utils.stop_signal()
+        utils.request_stop(signum)
+        if launcher:  # To the replicas, started or starting; multiprocessing's resource
+          # tracker, the other child, ignores both.
+          replicas = _children_of()[os.getpid()]
+          if not replicas:  # None has started: nothing to save, and none may start now.
+            _end_run(128 + signum, None)
+          for pid in replicas:
+            os.kill(pid, signum)
+        if first:  # At once: the step and the save can take a minute, said or not.
+          again = f'; {utils.INTERRUPT} again to end at once' if at_once else ''
+          sys.stdout.write('Stopping after this step ' + (  # One write: a whole line.
+              f'and saving ({again[2:]} without saving)\n' if saving and at_once else
+              'and saving\n' if saving else f'(nothing is saved without --ckpt_dir{again})\n'))
+          sys.stdout.flush()
+    if launcher:
+      _check_replicas()
+
+
+def _check_replicas():
+  for process in multiprocessing.active_children():
+    _replicas.setdefault(process.pid, process)
+  ended = [(pid, process.exitcode) for pid, process in _replicas.items()
+           if process.exitcode not in (None, 0)]
+  # First one that said why in its `error:` line, last those that the pool, once broken,
+  # ended with SIGTERM (replicas still importing have no handler for it yet).
+  for pid, code in sorted(ended, key=lambda ended: (ended[1] != 2, ended[1] == -signal.SIGTERM)):
+    if code == 2:
+      _end_run(2, None)
+    if utils.stop_signal():  # During a stop: one still importing dies of the signal, say.
+      name, stop_code = utils.record_stop({}, utils.stop_signal(), 0)
+      _end_run(stop_code, f'Stopped by {name}: replica process {pid} ended before it saved '
+               f'anything; run the same command to go on from the last checkpoint (exit code '
+               f'{stop_code})')
+    cause = f'was killed by {signal.Signals(-code).name}' if code < 0 else f'failed (exit code {code})'
+    _end_run(128 - code if code < 0 else code,
+             f'error: replica process {pid} {cause}; ended the other replicas')
+
+
+def _end_run(code, message):
+  """Kills every process this one started (replicas, loader workers), says why, exits."""
+  with _ending:  # The first caller ends the process while holding it.
+    for pid in _descendants(os.getpid()):
+      try:
+        os.kill(pid, signal.SIGKILL)
+      except ProcessLookupError:
+        pass
+    if message:
+      print(message, file=sys.stderr if message.startswith('error:') else sys.stdout, flush=True)
+    os._exit(code)
+
+
+def _children_of():
+  """{pid: [its child processes]} from Linux's /proc."""
+  children = collections.defaultdict(list)
+  for entry in filter(str.isdigit, os.listdir('/proc')):
+    try:
+      with open(f'/proc/{entry}/stat') as f:
+        children[int(f.read().rsplit(')', 1)[1].split()[1])].append(int(entry))
+    except (OSError, IndexError, ValueError):
+      pass  # Gone meanwhile.
+  return children
+
+
+def _descendants(pid):
+  """The processes below pid."""
+  children = _children_of()
+  found, todo = [], [pid]
+  while todo:
+    below = children[todo.pop()]
+    found += below
+    todo += below
+  return found
