@@ -347,7 +347,7 @@ def main(argv):
     try:
       supervisor.check_job(cfg, build_datasets, build_model, FAKE_CLASSES, f'{tuned} recipe where '
                            '--lr or --lr_scheduler_type is unset', FLAGS['num_workers'].present)
-    except (utils.UsageError, utils.BadDataError) as e:
+    except utils.SAID as e:
       utils.die(e)
   launcher = utils.spawns_replicas(single_process=cfg.num_cores == 1)  # Not under torchrun.
   print('Starting ' + ('one replica per local XLA device' if launcher else 'one replica (--num_cores 1)'

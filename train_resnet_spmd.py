@@ -395,7 +395,7 @@ def main(argv):
       results = train(cfg, utils.stop_signal)
       if utils.is_master():
         utils.write_results(cfg.results_json, results)
-    except (utils.UsageError, utils.BadDataError) as e:
+    except utils.SAID as e:  # A bad flag, path or file, a full disk: one line.
       utils.die(e)
   sys.exit(utils.exit_code(results, cfg.target_accuracy))
 

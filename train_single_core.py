@@ -330,7 +330,7 @@ def main(argv):
       utils.use_compile_cache(cfg.compile_cache_dir)  # Before the first computation.
       results = train(cfg, utils.stop_signal)
       utils.write_results(cfg.results_json, results)
-    except (utils.UsageError, utils.BadDataError) as e:
+    except utils.SAID as e:  # A bad flag, path or file, a full disk: one line.
       utils.die(e)
   sys.exit(utils.exit_code(results, cfg.target_accuracy))
 

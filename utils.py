@@ -73,6 +73,11 @@ class Diverged(Exception):
   """The loss became NaN at the step this names (every replica agrees on it)."""
 
 
+# What a process of a run says in one `error:` line (exit code 2) instead of a traceback: a
+# user's mistake, bad data, and what the system refused (a missing path, a full disk, ...).
+SAID = (UsageError, BadDataError, OSError)
+
+
 def die(message, code=2):
   print(f'error: {message}', file=sys.stderr, flush=True)
   sys.exit(code)
@@ -316,7 +321,7 @@ def new_results(model, **extra):
   """The numbers a run adds up as it goes, which --results_json writes (see docs/scripts.md)."""
   return dict(dict(model=model, world_size=xr.world_size(), epochs=0, max_accuracy=0.0,
                    final_accuracy=0.0, eval_correct=0, eval_samples=0, epoch_rates=[],
-                   epoch_accuracies=[], epoch_device_busy=[], compilations_after_epoch=[],
+                   epoch_accuracies=[], compilations_after_epoch=[],
                    train_seconds=0.0, history=[], bf16=os.environ.get('XLA_USE_BF16') == '1'),
               **extra)  # extra overrides.
 
@@ -569,7 +574,7 @@ def stop_on_signals(launcher=False):
   A replica trains in a thread of torch_xla's while its main thread waits in a lock, where a
   handler runs only if the kernel delivered the signal to that very thread: stop_signal also
   reads the wakeup pipe Python writes every signal to, from whichever thread got it.
-  Returns a null context, to stand in a `with` where supervisor.watched may stand."""
+  Returns a context to launch in, where supervisor.watched may stand instead."""
   global _wakeup
   whole_lines()
   for signum in STOP_SIGNALS:
@@ -580,12 +585,27 @@ def stop_on_signals(launcher=False):
     os.set_blocking(wakeup_write, False)
     signal.set_wakeup_fd(wakeup_write)
     _wakeup = wakeup_read
-  return contextlib.nullcontext()
+  return _replica_death_said() if launcher else contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _replica_death_said():
+  """A replica process that died (killed, or still importing when a signal came) is one line
+  and an exit code, not the traceback of torch_xla.launch's process pool."""
+  try:
+    yield
+  except concurrent.futures.process.BrokenProcessPool:
+    code = record_stop({}, stop_signal(), 0)[1] if stop_signal() else 1
+    die('a replica process ended abruptly (killed, or see its lines above); nothing was saved '
+        'since the last checkpoint', code)
 
 
 def _pass_on(signum, frame):
   request_stop(signum)
-  for process in multiprocessing.active_children():  # The replicas, started or starting.
+  replicas = multiprocessing.active_children()  # Started or starting.
+  if not replicas:  # None has started: nothing to save, and none may start now.
+    os._exit(128 + signum)
+  for process in replicas:
     os.kill(process.pid, signum)
 
 
@@ -699,8 +719,9 @@ def replica():
 
 
 def replica_failed(error):
-  """Ends this replica at once, saying why (see replica)."""
-  said = isinstance(error, (UsageError, BadDataError))
+  """Ends this replica at once, saying why (see replica). A replica alone in its run exits
+  through SystemExit, which torch_xla.launch hands to the launcher: its exit code is the run's."""
+  said = isinstance(error, SAID)
   # The error is the last thing of this replica a user reads: its log thread may still be
   # printing the last steps' lines.
   sys.stdout.flush()
@@ -713,6 +734,8 @@ def replica_failed(error):
   end_loader_workers()
   sys.stdout.flush()
   sys.stderr.flush()
+  if xr.world_size() == 1:
+    sys.exit(2 if said else 1)
   os._exit(2 if said else 1)
 
 

@@ -7,7 +7,6 @@ import ast
 import os
 import re
 import shlex
-import shutil
 import signal
 import subprocess
 import sys
@@ -15,8 +14,8 @@ import textwrap
 
 import pytest
 
-from conftest import (REPO, assert_nothing_left, assert_one_error, assert_same_training, read_json,
-                      script_env, wait_for)
+from conftest import (REPO, assert_nothing_left, assert_one_error, assert_same_training,
+                      make_cifar_python, read_json, script_env, wait_for)
 
 KITS = ['train_resnet_mp.py', 'train_resnet_spmd.py', 'train_single_core.py', 'train_wds_cifar.py']
 OPTIONAL = {'supervisor', 'command'}
@@ -92,40 +91,6 @@ def test_kit_alone_stops_on_sigterm_and_resumes_bitwise(tmp_path):
   out, _ = resumed.communicate(timeout=600)
   assert resumed.returncode == 0 and 'Resumed from' in out, out[-3000:]
   assert_same_training(tmp_path / 'ckpt', tmp_path / 'reference')
-
-
-TORCHRUN_ARGS = ['--fake_data', '--model', 'resnet18', '--img_dim', 16, '--batch_size', 4,
-                 '--test_set_batch_size', 4, '--num_epochs', 1, '--num_steps', 40,
-                 '--log_steps', 1]
-
-
-@pytest.mark.parametrize('kit', ['kit alone', 'with supervisor.py'])
-@pytest.mark.parametrize('sig', ['SIGTERM to torchrun', 'Ctrl-C'])
-def test_under_torchrun_a_signal_stops_the_worker_with_a_checkpoint(tmp_path, kit, sig):
-  project = tmp_path / 'project'
-  copy_kit('train_resnet_mp.py', project)
-  if kit != 'kit alone':
-    shutil.copy(REPO / 'supervisor.py', project)
-  # torchrun passes SIGTERM or SIGINT on to its workers and kills them 30 s later; a Ctrl-C
-  # in a terminal reaches the worker twice, from the terminal and from torchrun.
-  process = start_in(project, '-m', 'torch.distributed.run', '--nproc_per_node', 1,
-                     'train_resnet_mp.py', *TORCHRUN_ARGS, '--ckpt_dir', tmp_path / 'ckpt',
-                     '--results_json', tmp_path / 'r.json')
-  sigterm = sig.startswith('SIGTERM')
-  code, out = signal_after_training_lines(process, 2, signal.SIGTERM if sigterm else signal.SIGINT,
-                                          to_group=not sigterm)
-  assert 'the replica of this torchrun worker' in out, out[-3000:]
-  name, exit_code = ('SIGTERM', 75) if sigterm else (r'Ctrl-C \(SIGINT\)', 130)
-  stopped = re.search(rf'^Stopped by {name} at epoch 1 step (\d+): saved (\S+); run the same '
-                      rf'command to resume \(exit code {exit_code}\)$', out, re.M)
-  assert stopped, out[-3000:]
-  assert os.path.exists(stopped.group(2))
-  results = read_json(tmp_path / 'r.json')  # What a restart policy can read: torchrun says 1.
-  assert results['checkpoint'] == stopped.group(2)
-  assert results['preempted' if sigterm else 'interrupted'] is True
-  assert code == 1, out[-3000:]  # torchrun's own code after a signal.
-  assert 'Stopped at once' not in out  # The second delivery of a Ctrl-C ends nothing.
-  assert_nothing_left(session=process.pid)
 
 
 def readme_adapt_steps():
@@ -223,3 +188,59 @@ def test_a_dataset_loader_workers_cannot_receive_is_one_line_before_any_replica(
                    r"sent to loader worker processes \(.*build_datasets\.<locals>\.Colours.*\): "
                    r'define its class .* at module level, or give --num_workers 0$')
   assert 'Starting' not in result.stdout, result.stdout  # Before any replica.
+
+
+def kit_args(script, tmp_path):
+  """Small flags for a run of the script's kit; the wds kit's shards are written first, by the
+  repo's make_cifar_shards.py (not part of the kit)."""
+  common = ['--test_set_batch_size', 4, '--num_epochs', 2, '--log_steps', 1, '--lr', 0.02]
+  if script != 'train_wds_cifar.py':
+    return ['--fake_data', '--model', 'resnet18', '--img_dim', 16, '--batch_size', 4,
+            '--num_steps', 6, *common]
+  make_cifar_python(tmp_path / 'cifar-10-batches-py', per_batch=16, test_count=16)
+  made = subprocess.run([sys.executable, 'make_cifar_shards.py', '--cifar_dir',
+                         str(tmp_path / 'cifar-10-batches-py'), '--output',
+                         str(tmp_path / 'shards' / 'c'), '--samples_per_shard', '20'], cwd=REPO,
+                        env=script_env(),
+                        capture_output=True, text=True, timeout=300)
+  assert made.returncode == 0, made.stderr
+  return ['--wds_traindir', tmp_path / 'shards' / 'c-train-{000000..000003}.tar', '--trainsize',
+          80, '--wds_testdir', tmp_path / 'shards' / 'c-test-000000.tar', '--testsize', 16,
+          '--batch_size', 4, '--num_workers', 1, '--shuffle_buffer', 20, '--num_steps', 6,
+          *common]
+
+
+@pytest.mark.parametrize('script', ['train_single_core.py', 'train_resnet_spmd.py',
+                                    'train_wds_cifar.py'])
+def test_each_kit_alone_stops_on_ctrl_c_with_a_checkpoint_and_resumes(tmp_path, script):
+  project = tmp_path / 'project'
+  copy_kit(script, project)
+  argv = [script, *kit_args(script, tmp_path), '--ckpt_dir', tmp_path / 'ckpt',
+          '--results_json', tmp_path / 'r.json']
+  process = start_in(project, *argv)
+  code, out = signal_after_training_lines(process, 2, signal.SIGINT, to_group=True)
+  assert code == 130, out[-3000:]
+  assert re.search(r'^Stopped by Ctrl-C \(SIGINT\) at epoch \d step \d: saved \S+; run the same '
+                   r'command to resume \(exit code 130\)$', out, re.M), out[-3000:]
+  assert read_json(tmp_path / 'r.json')['interrupted'] is True
+  assert_nothing_left(session=process.pid)
+  resumed = start_in(project, *argv)
+  out, _ = resumed.communicate(timeout=600)
+  assert resumed.returncode == 0 and 'Resumed from' in out, out[-3000:]
+  assert read_json(tmp_path / 'r.json')['train_steps'] == 12
+  assert_nothing_left(session=resumed.pid)
+
+
+def test_kit_alone_ends_on_a_nan_loss_and_says_a_bad_path_in_one_line(tmp_path):
+  project = tmp_path / 'project'
+  copy_kit('train_single_core.py', project)
+  nan = start_in(project, 'train_single_core.py', '--fake_data', '--model', 'resnet18',
+                 '--img_dim', 16, '--batch_size', 8, '--num_epochs', 1, '--num_steps', 12,
+                 '--log_steps', 1, '--lr', 1e9)
+  out, _ = nan.communicate(timeout=600)
+  assert_one_error((nan.returncode, out), 22, r'^error: the loss became NaN at epoch 1 step \d+: '
+                   'training diverged')
+  missing = start_in(project, 'train_single_core.py', '--datadir', tmp_path / 'nowhere',
+                     '--model', 'resnet18', '--img_dim', 16)
+  out, _ = missing.communicate(timeout=600)
+  assert_one_error((missing.returncode, out), 2, r'^error: .*nowhere/train')

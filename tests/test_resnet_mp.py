@@ -78,16 +78,11 @@ TINY_RUN = ['--fake_data', '--model', 'resnet18', '--img_dim', 16, '--batch_size
             '--test_set_batch_size', 4, '--num_epochs', 1, '--log_steps', 1]
 
 
-@pytest.mark.parametrize('launcher', ['--num_cores 1', 'torchrun'])
-def test_runs_in_one_process_and_under_torchrun(tmp_path, launcher):
+def test_runs_in_one_process(tmp_path):
+  # (Under torchrun: tests/test_copy.py, with and without supervisor.py, signals included.)
   flags = TINY_RUN + ['--num_steps', 3, '--results_json', tmp_path / 'r.json']
-  if launcher == 'torchrun':
-    cmd = [sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node=1', SCRIPT, *flags]
-    result = subprocess.run(list(map(str, cmd)), cwd=REPO, env=script_env(), capture_output=True,
-                            text=True, timeout=300)
-  else:
-    result = run_script(SCRIPT, '--num_cores', 1, '--metrics_debug', *flags)
-    assert re.search(r'^Metric: CompileTime$', result.stdout, re.M)  # torch_xla's report
+  result = run_script(SCRIPT, '--num_cores', 1, '--metrics_debug', *flags)
+  assert re.search(r'^Metric: CompileTime$', result.stdout, re.M)  # torch_xla's report
   assert result.returncode == 0, result.stderr
   assert len(losses(result.stdout)) == 3
   assert read_json(tmp_path / 'r.json')['train_steps'] == 3
