@@ -84,25 +84,25 @@ def check_datasets(train_set, eval_set, num_classes):
   for name, dataset in (('training', train_set), ('evaluation', eval_set)):
     if not hasattr(dataset, '__len__') or len(dataset) == 0:
       raise utils.UsageError(f'build_datasets: the {name} set is empty or has no len(): give a '
-                       'map-style dataset (len() and [index]) of samples')
+                             'map-style dataset (len() and [index]) of samples')
     for index in sorted({0, len(dataset) - 1}):
       where, sample = f'{name} sample {index}', dataset[index]
       image, label = sample if isinstance(sample, (tuple, list)) and len(sample) == 2 else (0, 0)
       if not (torch.is_tensor(image) and image.dim() == 3 and
               (image.is_floating_point() or image.dtype == torch.uint8)):
         raise utils.UsageError(f'build_datasets: {where} is {_kind(sample)}: give (C x H x W uint8 '
-                         'or float tensor, label)')
+                               'or float tensor, label)')
       label = label.item() if torch.is_tensor(label) and label.dim() == 0 else label
       if not (isinstance(label, numbers.Integral) and 0 <= label < num_classes):
         raise utils.UsageError(f'build_datasets: {where} has label {_kind(label)}: give integers '
-                         f'from 0 to {num_classes - 1} (the class count it returned)')
+                               f'from 0 to {num_classes - 1} (the class count it returned)')
       kind = 'x'.join(map(str, image.shape)) + ' ' + str(image.dtype).removeprefix('torch.')
       shapes.setdefault(kind, where)
   if len(shapes) > 1:
     (shape, where), (other, other_where) = list(shapes.items())[:2]
     raise utils.UsageError(f'build_datasets: {other_where} is {other}, {where} is {shape}: give samples '
-                     'of one shape and dtype (batches stack them; a new shape compiles a new '
-                     'graph)')
+                           'of one shape and dtype (batches stack them; a new shape compiles a new '
+                           'graph)')
   return (f'Data: {len(train_set):,} training and {len(eval_set):,} evaluation samples of '
           f'{next(iter(shapes))}, {num_classes} classes')
 
@@ -130,8 +130,8 @@ def check_picklable(datasets):
       _WorkerPickle(types.SimpleNamespace(write=len)).dump(dataset)  # Written nowhere.
     except Exception as e:  # pickle.PicklingError, AttributeError (a local class), TypeError
       raise utils.UsageError(f'build_datasets: the {name} set ({type(dataset).__name__}) cannot be '
-                       f'sent to loader worker processes ({e}): define its class (and any '
-                       'function it holds) at module level, or give --num_workers 0') from None
+                             f'sent to loader worker processes ({e}): define its class (and any '
+                             'function it holds) at module level, or give --num_workers 0') from None
 
 
 def describe_model(name, model, num_classes):
@@ -169,8 +169,8 @@ def check_outputs(ckpt_dir, logdir, results_json, compile_cache_dir=None):
   not after it. First frees what a killed save left in ckpt_dir."""
   if compile_cache_dir and '://' in compile_cache_dir:
     raise utils.UsageError(f'--compile_cache_dir {compile_cache_dir}: torch_xla writes its compile '
-                     "cache with plain file I/O: give a folder on this host's disk or a "
-                     'mounted one')
+                           "cache with plain file I/O: give a folder on this host's disk or a "
+                           'mounted one')
   folders = dict(ckpt_dir=ckpt_dir, logdir=logdir, compile_cache_dir=compile_cache_dir,
                  results_json=results_json and (os.path.dirname(results_json) or '.'))
   for flag, folder in ((flag, folder) for flag, folder in folders.items() if folder):
@@ -180,7 +180,7 @@ def check_outputs(ckpt_dir, logdir, results_json, compile_cache_dir=None):
       raise
     except Exception as e:  # PermissionError, NotADirectoryError, a bucket's auth error, ...
       raise utils.UsageError(f'cannot write to --{flag} {folder} ({type(e).__name__}: {e}): give a '
-                       'folder or bucket this job can write') from None
+                             'folder or bucket this job can write') from None
 
 
 def _write_probe(folder, leftovers):
@@ -222,7 +222,7 @@ def reach(url, call):
   thread.join(REMOTE_SECONDS)
   if thread.is_alive():
     raise utils.UsageError(f'{url} did not answer within {REMOTE_SECONDS} s: check the network, the '
-                     'address and the credentials')
+                           'address and the credentials')
   if 'error' in outcome:
     raise outcome['error']
   return outcome.get('value')
@@ -232,27 +232,27 @@ def reach(url, call):
 
 
 def check_image_folders(root, splits):
-  """ImageFolder datasets of root/SPLIT for each split (no transform), or a utils.UsageError when a
+  """ImageFolder datasets of root/SPLIT for each split (no transform), or a UsageError when a
   split is not a folder of class folders of images, or the splits' classes differ."""
   datasets = []
   for folder in (os.path.join(root, split) for split in splits):
     if not os.path.isdir(folder):
       raise utils.UsageError(f'{folder} is not a folder: {root} needs {" and ".join(splits)} with '
-                       f'one folder of images per class ({folder}/CLASS/x.jpg)')
+                             f'one folder of images per class ({folder}/CLASS/x.jpg)')
     try:
       dataset = torchvision.datasets.ImageFolder(folder, loader=utils.load_image, allow_empty=True)
     except FileNotFoundError:
       raise utils.UsageError(f'{folder} has no class folders: put the images of each class in '
-                       f'{folder}/CLASS_NAME/') from None
+                             f'{folder}/CLASS_NAME/') from None
     empty = sorted(set(dataset.classes) - {dataset.classes[label] for label in dataset.targets})
     if empty:
       raise utils.UsageError(f'class folder {os.path.join(folder, empty[0])} has no images '
-                       f'({" ".join(IMG_EXTENSIONS)}): add images or remove the folder')
+                             f'({" ".join(IMG_EXTENSIONS)}): add images or remove the folder')
     if _links(folder):  # ImageFolder follows them: an image must still count once.
       _check_one_path_each(dataset.samples, folder)
     if datasets and dataset.classes != datasets[0].classes:
       raise utils.UsageError(f'{folder} and {os.path.join(root, splits[0])} must hold the same '
-                       'class folders')
+                             'class folders')
     datasets.append(dataset)
   return datasets
 
@@ -279,8 +279,8 @@ def _check_one_path_each(samples, folder):
     if real in seen:
       link = _link_in(path, folder) or _link_in(seen[real], folder)
       raise utils.UsageError(f'{folder} reaches {real} twice, as {seen[real]} and as {path}, through '
-                       f'the symbolic link {link}: remove the link, or keep each image in one '
-                       'class folder only')
+                             f'the symbolic link {link}: remove the link, or keep each image in one '
+                             'class folder only')
     seen[real] = path
 
 
@@ -295,7 +295,7 @@ def _link_in(path, folder):
 
 
 def shard_missing(url):
-  """Whether the shard does not exist; a utils.UsageError if its server or bucket cannot be asked."""
+  """Whether the shard does not exist; a UsageError if its server or bucket cannot be asked."""
   try:
     reach(url, lambda: _info(url))
     return False
@@ -310,7 +310,7 @@ def shard_missing(url):
   except Exception as e:  # A name that does not resolve, a bucket without credentials, ...
     error = e
   raise utils.UsageError(f'cannot reach {url} ({type(error).__name__}: {error}): check that '
-                         'the server or bucket is up and the address is right')
+                               'the server or bucket is up and the address is right')
 
 
 def _info(url):
@@ -319,7 +319,7 @@ def _info(url):
 
 
 def check_shards(flag, pattern, strict, decode, foreign):
-  """A utils.UsageError if no shard of the pattern exists (pipe: commands are not checked), or if
+  """A UsageError if no shard of the pattern exists (pipe: commands are not checked), or if
   some do not and strict; else a warning line naming those that will be skipped; and if the
   first sample is of another format: decode(sample) raises foreign. Returns the number of
   shards the pattern names."""
@@ -327,7 +327,7 @@ def check_shards(flag, pattern, strict, decode, foreign):
   missing = [url for url in urls if not url.startswith('pipe:') and shard_missing(url)]
   if len(missing) == len(urls):
     raise utils.UsageError(f'--{flag}: no shard found at {pattern} (first: {urls[0]}); check the '
-                           'path or URL and the {first..last} range')
+                                 'path or URL and the {first..last} range')
   if missing:
     message = f'--{flag}: {len(missing)} of {len(urls)} shards do not exist, e.g. {missing[0]}'
     if strict:
@@ -340,7 +340,7 @@ def check_shards(flag, pattern, strict, decode, foreign):
 
 
 def check_format(flag, url, decode, foreign):
-  """A utils.UsageError if the first sample of the shard is not of a kind this script reads: shards
+  """A UsageError if the first sample of the shard is not of a kind this script reads: shards
   of another format are one line at start, not a warning for every sample."""
   try:
     with fsspec.open(url, 'rb') as stream:

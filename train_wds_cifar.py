@@ -101,12 +101,15 @@ flags.DEFINE_string('results_json', None, 'Write accuracy, rates and compile cou
 # A notebook may import several scripts (the same flag names) or %run one again.
 utils.redefinable(FLAGS)
 
-# Flags of the image-folder scripts that a user may bring here.
-# The image files a sample may hold, tried in this order: raw bytes (make_cifar_shards.py),
-# the formats webdataset's ShardWriter writes from a PIL image, and numpy's.
+# The shards: each sample is two tar members, KEY.rgb (the image as 3,072 raw bytes, 32x32x3
+# uint8, height x width x channel: decoded in about 1 us, a 32x32 PNG in about 50) and
+# KEY.cls (the label as ASCII digits), as make_cifar_shards.py writes them; or the image as
+# one of the other files a sample may hold, tried in this order: those webdataset's
+# ShardWriter writes from a PIL image, and numpy's.
 IMAGE_KEYS = ('rgb', 'ppm', 'png', 'jpg', 'jpeg', 'webp', 'npy')
 PPM_HEADER = re.compile(rb'P6\s+(\d+)\s+(\d+)\s+255\s')  # 8-bit binary RGB, no comment.
 SIDE = 32  # CIFAR images are 32x32 RGB.
+# Flags of the image-folder scripts that a user may bring here.
 ELSEWHERE = {'img_dim': 'this script trains on 32x32 CIFAR images, as the shards hold them; '
                         '--img_dim belongs to the image-folder scripts',
              'datadir': 'give the shards with --wds_traindir and --wds_testdir (see '
@@ -367,8 +370,9 @@ def build_model(cfg, num_classes):
   """The model to train: a torch.nn.Module from a float batch (N, 3, 32, 32) to logits (N,
   num_classes); the shards' uint8 images are normalised in the step, on the device
   (utils.normalize, CIFAR-10's mean and std). Here: the torchvision ResNet --model names,
-  with the CIFAR stem. Put yours here; a --model name of your own is then accepted. Images of another format or size: the place
-  is decode. Called in main, to check, and in every replica."""
+  with the CIFAR stem. Put yours here; a --model name of your own is then accepted. Images
+  of another format or size: the place is decode. Called in main, to check, and in every
+  replica."""
   if not cfg.model.startswith(('resnet', 'resnext', 'wide_resnet')):
     raise utils.UsageError(f'--model {cfg.model} is not a torchvision ResNet (resnet18, resnet50, '
                            'resnext50_32x4d, ...): name one, or build yours in build_model')

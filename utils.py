@@ -720,7 +720,7 @@ def replica():
 
 def replica_failed(error):
   """Ends this replica at once, saying why (see replica). A replica alone in its run exits
-  through SystemExit, which torch_xla.launch hands to the launcher: its exit code is the run's."""
+  through SystemExit, which torch_xla.launch hands to the launcher: its code is the run's."""
   said = isinstance(error, SAID)
   # The error is the last thing of this replica a user reads: its log thread may still be
   # printing the last steps' lines.
@@ -734,8 +734,8 @@ def replica_failed(error):
   end_loader_workers()
   sys.stdout.flush()
   sys.stderr.flush()
-  if xr.world_size() == 1:
-    sys.exit(2 if said else 1)
+  if xr.world_size() == 1 and os.environ.get('PJRT_LOCAL_PROCESS_COUNT') == '1':
+    sys.exit(2 if said else 1)  # torch_xla.launch's own process count: no other waits for it.
   os._exit(2 if said else 1)
 
 
