@@ -352,6 +352,10 @@ def describe(tpu, zone, project):
 def host_workers(hosts, ssh_options):
   if not all(hosts):
     raise UsageError(f'--hosts {",".join(hosts)} has an empty name')
+  for host in hosts:
+    if host.startswith('-'):  # ssh would read it as an option of its own.
+      raise UsageError(f'--hosts names {host!r}, not a host: give host, user@host or '
+                       'ssh://user@host:port')
   if not shutil.which('ssh'):
     raise UsageError('ssh not found: install the OpenSSH client')
   options = [arg for option in ssh_options + SSH_DEFAULTS for arg in ('-o', option)]
@@ -386,6 +390,10 @@ def check_flags(command):
   for item in FLAGS.env:
     if not re.fullmatch(r'[A-Za-z_]\w*=.*', item, re.S):
       raise UsageError(f'--env {item!r} is not NAME=VALUE')
+  for option in FLAGS.ssh_option:
+    if option.startswith('-'):  # ssh refuses it, on every worker: one line here instead.
+      raise UsageError(f'--ssh_option {option!r} is not an ssh -o option: give KEY=VALUE, e.g. '
+                       'IdentityFile=~/.ssh/pod_key')
 
 
 def open_logs(log_dir, count, command):
@@ -593,13 +601,31 @@ def main(argv):
   return code
 
 
+def check_values_given(argv):
+  """An unquoted empty variable (`--hosts $HOSTS`, HOSTS unset) leaves no word: absl would
+  take the next one, a flag or the `--` before the command, for the flag's value."""
+  for word, value in zip(argv[1:], argv[2:]):
+    if word == '--':
+      return
+    name = re.fullmatch(r'--?([^=]+)', word)
+    if (name and name[1] in FLAGS and not FLAGS[name[1]].boolean and value.startswith('-')
+        and not re.match(r'-\.?\d', value)):  # A negative number is a value.
+      raise UsageError(f'--{name[1]} is followed by {value}, not by a value (an unquoted variable '
+                       f'that is empty leaves none): set the variable and quote it, --{name[1]} '
+                       f'"$VAR", or write --{name[1]}=VALUE')
+
+
 def parse_flags(argv):
   try:
+    check_values_given(argv)
     return FLAGS(argv)
   except SystemExit:  # absl's --help, --helpshort and --helpfull print, then exit 1.
     sys.exit(0)
   except flags.Error as e:
     print(f'error: {e} (see --helpshort)', file=sys.stderr, flush=True)
+    sys.exit(2)
+  except UsageError as e:
+    print(f'error: {e}', file=sys.stderr, flush=True)
     sys.exit(2)
 
 

@@ -543,6 +543,11 @@ def test_a_missing_workdir_names_the_worker_and_the_folder(sshd, tmp_path, mark)
     (['--hosts=a,b'], 'give the command after --'),
     (['--hosts=a', '--env=1X=2', '--', 'true'], "--env '1X=2' is not NAME=VALUE"),
     (['--hosts=a,,b', '--', 'true'], '--hosts a,,b has an empty name'),
+    (['--hosts=a,-oProxyCommand=x', '--', 'true'], "--hosts names '-oProxyCommand=x', not a "
+                                                   'host: give host, user@host or ssh://'),
+    (['--hosts=a', '--ssh_option=-i', '--', 'true'], "--ssh_option '-i' is not an ssh -o option"),
+    # A negative number is a value, not a flag: its own check refuses it.
+    (['--hosts=a', '--grace_seconds', '-1', '--', 'true'], 'flag --grace_seconds=-1: '),
     (['--hosts=a', '--grace_seconds=-1', '--', 'true'], 'flag --grace_seconds=-1: '),
     (['--hosts=a', '--log_dir=/dev/null', '--', 'true'], 'cannot write worker logs in --log_dir '
                                                          '/dev/null (File exists): give a writable'),
@@ -557,6 +562,25 @@ def test_bad_flags_are_one_line_and_exit_2(args, line):
   assert done.returncode == 2, done
   assert done.stderr.startswith(f'error: {line}') and done.stderr.count('\n') == 1, done.stderr
   assert not done.stdout
+
+
+@pytest.mark.parametrize('words, flag, taken', [
+    ('--hosts $HOSTS --workdir refs -- python3 -c pass', '--hosts', '--workdir'),
+    ('--hosts $HOSTS -- python3 train_resnet_mp.py --fake_data', '--hosts', '--'),
+    ('--tpu $TPU --zone z --workdir refs -- true', '--tpu', '--zone'),
+    ('--hosts h1,h2 --ssh_option $OPTION --workdir refs -- true', '--ssh_option', '--workdir'),
+    ('--hosts h1,h2 --workdir $WORKDIR -- true', '--workdir', '--')])
+def test_an_empty_unquoted_variable_before_a_flag_is_one_line(words, flag, taken):
+  # The shell drops the empty word; the flag would take the next one for its value (a host
+  # named --workdir: ssh's usage text and 255).
+  done = subprocess.run(['sh', '-c', f'exec "$0" launch_pod.py {words}', sys.executable],
+                        cwd=REPO, capture_output=True, text=True, timeout=60,
+                        env=dict(os.environ, HOSTS='', TPU='', OPTION='', WORKDIR=''))
+  assert done.returncode == 2, done
+  assert done.stderr == (f'error: {flag} is followed by {taken}, not by a value (an unquoted '
+                         f'variable that is empty leaves none): set the variable and quote it, '
+                         f'{flag} "$VAR", or write {flag}=VALUE\n'), done.stderr
+  assert not done.stdout and 'usage: ssh' not in done.stderr, done
 
 
 DESCRIBE = {  # The fields of `gcloud compute tpus tpu-vm describe --format json` it reads.
