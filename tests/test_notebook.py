@@ -4,7 +4,10 @@ start notebook executed top to bottom by nbclient, as "Run all" does, and run() 
 in one kernel, interrupted as the notebook's "Interrupt kernel" button does."""
 
 import contextlib
+import copy
 import os
+import pickle
+import random
 import re
 import shutil
 import socket
@@ -52,12 +55,18 @@ def checkout_of_the_repo(tmp_path):
   return checkout
 
 
-def run_data_cells(checkout, env):
-  """The notebook's set-up and CIFAR-10 cells (not the training ones) in a real kernel; returns
-  (the data cell, the error it ended with or None)."""
+def data_cells(checkout):
+  """The quick start notebook with its set-up and CIFAR-10 cells alone (not the training ones)."""
   notebook = nbformat.read(checkout / 'notebooks' / 'quickstart.ipynb', as_version=4)
   data_cell = next(i for i, cell in enumerate(notebook.cells) if 'make_cifar_shards.run' in cell.source)
   notebook.cells = notebook.cells[:2] + [notebook.cells[data_cell]]
+  return notebook
+
+
+def run_data_cells(checkout, env):
+  """The notebook's set-up and CIFAR-10 cells in a real kernel; returns (the data cell, the error
+  it ended with or None)."""
+  notebook = data_cells(checkout)
   client = NotebookClient(notebook, timeout=120, kernel_name='python3',
                           resources={'metadata': {'path': str(checkout / 'notebooks')}})
   try:
@@ -65,6 +74,18 @@ def run_data_cells(checkout, env):
     return notebook.cells[-1], None
   except CellExecutionError as e:
     return notebook.cells[-1], e
+
+
+def run_data_cells_on(checkout, env, folders):
+  """run_data_cells once for each folder as QUICKSTART_DATA, in one kernel (a kernel start costs
+  seconds), as a reader does after a Stop: the folder set in os.environ, then both cells again.
+  Returns the data cells, each with what it showed."""
+  notebook = data_cells(checkout)
+  notebook.cells = [copy.deepcopy(cell) for folder in folders for cell in [nbformat.v4.new_code_cell(
+      f'import os\nos.environ["QUICKSTART_DATA"] = {str(folder)!r}'), *notebook.cells[1:]]]
+  NotebookClient(notebook, timeout=120, kernel_name='python3', allow_errors=True,
+                 resources={'metadata': {'path': str(checkout / 'notebooks')}}).execute(env=env)
+  return notebook.cells[2::3]
 
 
 @contextlib.contextmanager
@@ -126,6 +147,45 @@ def test_quickstart_data_may_be_the_cifar_folder_itself_and_is_only_read(tmp_pat
   text = ''.join(o.get('text', '') for o in cell.outputs if o.output_type == 'stream')
   assert f'CIFAR-10 from {cifar}' in text and 'Wrote 40 training samples' in text, text
   assert sorted((p.name, p.stat().st_mtime_ns) for p in cifar.parent.rglob('*')) == before
+
+
+def test_a_broken_release_in_quickstart_data_is_one_stop_naming_it_and_the_file(tmp_path):
+  # What a user did, and its kin: each folder is set as QUICKSTART_DATA in turn in one kernel.
+  seed = random.SystemRandom().randrange(2**32)
+  print(f'seed {seed}')
+  rng = random.Random(seed)
+  checkout = checkout_of_the_repo(tmp_path)
+  only_meta = tmp_path / 'only-meta'
+  only_meta.mkdir()
+  (only_meta / 'batches.meta').write_bytes(rng.randbytes(rng.randint(1, 64)))
+  truncated, missing, wrong_rows = (make_cifar_python(
+      tmp_path / name / 'cifar-10-batches-py', per_batch=8, test_count=8)
+      for name in ('truncated', 'missing', 'wrong-rows'))
+  pickled = (truncated / 'data_batch_2').read_bytes()
+  (truncated / 'data_batch_2').write_bytes(pickled[:rng.randrange(len(pickled))])
+  (missing / 'data_batch_5').unlink()
+  # A pickle the notebook's check takes, which make_cifar_shards refuses (with its own line).
+  with open(wrong_rows / 'data_batch_4', 'rb') as f:
+    batch = pickle.load(f, encoding='bytes')
+  with open(wrong_rows / 'data_batch_4', 'wb') as f:
+    pickle.dump({**batch, b'data': batch[b'data'][:, :3000]}, f)
+  broken = [  # Random bytes may unpickle, rarely: to something else than the release's dict.
+      (only_meta, only_meta / 'batches.meta', "is not (a pickle of the release|the release's)"),
+      (truncated.parent, truncated / 'data_batch_2', 'is not a pickle of the release'),
+      (missing, missing / 'data_batch_5', 'is missing'),
+      (wrong_rows, wrong_rows / 'data_batch_4', 'is not a CIFAR-10 batch')]
+  cells = run_data_cells_on(checkout, script_env(QUICKSTART_SMALL='1'),
+                            [folder for folder, _, _ in broken])
+  for cell, (folder, bad_file, problem) in zip(cells, broken):
+    errors = [o for o in cell.outputs if o.output_type == 'error']
+    shown = ''.join(o.get('text', '') for o in cell.outputs if o.output_type == 'stream') + \
+        '\n'.join(line for o in errors for line in o.traceback)
+    print(shown)
+    assert len(errors) == 1 and errors[0].ename == 'Stop' and len(errors[0].traceback) == 1, shown
+    assert re.match(re.escape(f'Stop: QUICKSTART_DATA={folder}: {bad_file} ') + problem,
+                    errors[0].traceback[0]), shown
+    assert 'whole python release' in errors[0].traceback[0], shown
+    assert 'Traceback' not in shown and '--cifar_dir' not in shown, shown
 
 
 class Kernel:
