@@ -57,22 +57,25 @@ for _noisy in ('gcsfs', 'google.auth', 'fsspec'):
 # ----------------------------------------------------------------- the checks before the start
 
 
-def check_job(cfg, build_datasets, build_model, fake_classes, recipe, workers_given):
+def check_job(cfg, build_datasets, build_model, fake_classes, given, recipe=None):
   """Builds the data and the model once, before any replica starts, and says what they are:
-  bad input is one line, not one per replica. Caps cfg.num_workers at the CPUs there are
-  (workers_given: the user asked for that number) and probes the output folders. recipe:
-  where the optimiser settings come from, for the "Recipe:" line."""
+  bad input is one line, not one per replica. Caps cfg.num_workers at the CPUs there are and
+  probes the output folders. given: the flags the user gave; recipe: (its name, the settings
+  it fills in where not given), for the "Recipe:" line."""
   if cfg.fake_data:
     num_classes = fake_classes
     print(f'Data: fake, constant batches of 3x{cfg.img_dim}x{cfg.img_dim}, {num_classes} classes')
   else:
-    cfg.num_workers = usable_workers(cfg.num_workers, workers_given)
+    cfg.num_workers = usable_workers(cfg.num_workers, 'num_workers' in given)
     train_set, test_set, num_classes = build_datasets(cfg)
     print(check_datasets(train_set, test_set, num_classes))
     if cfg.num_workers and getattr(cfg, 'num_cores', None) != 1:  # Workers start by spawn.
       check_picklable(dict(training=train_set, evaluation=test_set))
-  print(describe_model(cfg.model, build_model(cfg, num_classes), num_classes))
-  print(describe_recipe(cfg, recipe), flush=True)
+  model = build_model(cfg, num_classes)
+  print(describe_model(cfg.model, model, num_classes))
+  if not cfg.fake_data:
+    check_model_takes(model, train_set[0][0])
+  print(describe_recipe(cfg, recipe_source(given, *recipe or (None, {}))), flush=True)
   check_outputs(cfg.ckpt_dir, cfg.logdir, cfg.results_json, cfg.compile_cache_dir)
 
 
@@ -139,6 +142,41 @@ def describe_model(name, model, num_classes):
   parameters = sum(parameter.numel() for parameter in model.parameters())
   return (f'Model: {name} ({type(model).__name__}, {parameters / 1e6:.2f}M parameters, '
           f'{num_classes} classes)')
+
+
+def check_model_takes(model, image):
+  """A UsageError if the model cannot take a batch of this sample's image as the step gives
+  it (utils.normalize): a grey image for a model of RGB input, say, is one line here instead
+  of a traceback from every replica."""
+  try:
+    with torch.no_grad():
+      model.eval()(utils.normalize(image[None]))
+  except utils.UsageError as e:
+    raise utils.UsageError(f'build_datasets: {e}') from None
+  except Exception as e:
+    shape = 'x'.join(map(str, image.shape)) + ' ' + str(image.dtype).removeprefix('torch.')
+    fix = (f'give 3-channel images (v2.RGB() in the transform) or a model whose first layer '
+           f'takes {image.shape[0]}' if image.shape[0] != 3 else 'give images the model takes')
+    reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+    raise utils.UsageError(f'build_model\'s model cannot take build_datasets\' samples ({shape}): '
+                           f'{reason}; {fix}') from None
+
+
+RECIPE_FLAGS = ('lr', 'lr_scheduler_type', 'momentum', 'weight_decay')
+
+
+def recipe_source(given, recipe, filled):
+  """Where the "Recipe:" line's settings come from: the flags given, a recipe (named) for
+  those it fills in, the flags' defaults for the rest."""
+  def names(kept):
+    kept = [f'--{name}' for name in RECIPE_FLAGS if kept(name)]
+    return ', '.join(kept[:-1]) + ' and ' * (len(kept) > 1) + ''.join(kept[-1:])
+  parts = [f'{names(lambda name: name in given)} as given',
+           f'{names(lambda name: name in filled and name not in given)} from {recipe}']
+  parts = [part for part in parts if part.startswith('--')]
+  if any(name not in given and name not in filled for name in RECIPE_FLAGS):
+    parts.append("the rest the flags' defaults" if parts else "the flags' defaults")
+  return ', '.join(parts)
 
 
 def describe_recipe(cfg, source):
@@ -413,13 +451,22 @@ def _watch(wakeup, launcher, saving, at_once):
           for pid in replicas:
             os.kill(pid, signum)
         if first:  # At once: the step and the save can take a minute, said or not.
-          again = f'; {utils.INTERRUPT} again to end at once' if at_once else ''
-          sys.stdout.write('Stopping after this step ' + (  # One write: a whole line.
-              f'and saving ({again[2:]} without saving)\n' if saving and at_once else
-              'and saving\n' if saving else f'(nothing is saved without --ckpt_dir{again})\n'))
+          sys.stdout.write(_stop_line(signum, saving, at_once) + '\n')  # One write: a whole line.
           sys.stdout.flush()
     if launcher:
       _check_replicas()
+
+
+def _stop_line(signum, saving, at_once):
+  """What the first stop signal prints. A second SIGTERM (a supervisor's) changes nothing: only
+  a second Ctrl-C ends the run at once."""
+  again = signum == signal.SIGINT and at_once
+  if saving:
+    return 'Stopping after this step and saving' + (
+        f' ({utils.INTERRUPT} again to end at once without saving)' if again else
+        ' (SIGTERM)' if signum == signal.SIGTERM else '')
+  return 'Stopping after this step (nothing is saved without --ckpt_dir' + (
+      f'; {utils.INTERRUPT} again to end at once)' if again else ')')
 
 
 def _check_replicas():

@@ -17,29 +17,7 @@ import sys
 import time
 from types import SimpleNamespace
 
-import torch
-import torch.nn.functional as F
-import torch_xla
-import torch_xla.core.xla_model as xm
-import torch_xla.debug.metrics as met
-import torch_xla.debug.profiler as xp
-import torch_xla.distributed.parallel_loader as pl
-import torch_xla.runtime as xr
-import torch_xla.test.test_utils as test_utils
-import torch_xla.utils.utils as xu
-import torchvision
 from absl import app, flags
-from torch.utils.tensorboard import SummaryWriter
-from torchvision.transforms import v2
-
-import utils
-
-try:  # Optional: checks before the run starts and a watch over its processes (see its docstring).
-  import supervisor
-except ModuleNotFoundError as e:
-  if e.name != 'supervisor':
-    raise
-  supervisor = None
 
 FLAGS = flags.FLAGS
 flags.DEFINE_bool('fake_data', False, 'Train on constant fake batches instead of --datadir.')
@@ -83,6 +61,43 @@ flags.DEFINE_integer('ckpt_every_steps', None, 'Also save every N steps.', lower
 flags.DEFINE_integer('keep_checkpoints', 2, 'Checkpoints kept, besides best.pt.', lower_bound=1)
 flags.DEFINE_string('resume', None, 'Resume from this checkpoint instead of the newest in --ckpt_dir.')
 flags.DEFINE_string('compile_cache_dir', None, "torch_xla's compile cache, on this host's disk: a restart loads graphs, not compiles (TPU).")
+
+# --help answers here, before torch and torch_xla load (seconds): absl prints it as it parses.
+if __name__ == '__main__' and {'--help', '--helpshort', '--helpfull', '-?'} & set(sys.argv[1:]):
+  app.define_help_flags()  # As app.run does.
+  try:
+    FLAGS(sys.argv, known_only=True)
+  except SystemExit:  # absl's, after the help, is 1.
+    sys.exit(0)
+  except BrokenPipeError:  # --help | head: the reader has what it wanted.
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python flushes at exit.
+    sys.exit(0)
+  except flags.Error:
+    pass  # Said in one line by app.run's parse.
+
+import torch
+import torch.nn.functional as F
+import torch_xla
+import torch_xla.core.xla_model as xm
+import torch_xla.debug.metrics as met
+import torch_xla.debug.profiler as xp
+import torch_xla.distributed.parallel_loader as pl
+import torch_xla.runtime as xr
+import torch_xla.test.test_utils as test_utils
+import torch_xla.utils.utils as xu
+import torchvision
+from torch.utils.tensorboard import SummaryWriter
+from torchvision.transforms import v2
+
+import utils
+
+try:  # Optional: checks before the run starts and a watch over its processes (see its docstring).
+  import supervisor
+except ModuleNotFoundError as e:
+  if e.name != 'supervisor':
+    raise
+  supervisor = None
+
 # A notebook may import several scripts (the same flag names) or %run one again.
 utils.redefinable(FLAGS)
 
@@ -169,7 +184,8 @@ def start_run(cfg, num_classes, steps_per_epoch, stop_signal):
         cfg.lr_scheduler_divisor))
   writer = SummaryWriter(cfg.logdir) if cfg.logdir and xm.is_master_ordinal() else None
   run = SimpleNamespace(cfg=cfg, model=model, optimizer=optimizer, scheduler=scheduler,
-                        stop=utils.StopVote(device, stop_signal, cfg.lr), stop_signal=stop_signal,
+                        stop=utils.StopVote(device, stop_signal, optimizer, num_classes),
+                        stop_signal=stop_signal, steps_per_epoch=steps_per_epoch,
                         results=utils.new_results(cfg.model, amp=cfg.amp),
                         num_classes=num_classes, epoch=1, step=0, global_step=0)
   state = utils.resume(cfg.resume, cfg.ckpt_dir, (model, optimizer, scheduler),
@@ -206,13 +222,15 @@ def train_one_epoch(run, loader, epoch, first_step):
       if step % cfg.log_steps == 0:
         xm.add_step_closure(run.log.add, args=(epoch, step, run.global_step, loss, tracker,
                                                run.optimizer.param_groups[0]['lr']))
-      # The same answer on every replica (and the end of the run on a NaN loss).
+      # The same answer on every replica (and the end of the run if loss or weights run away).
       stopping = run.stop.agreed_after_step(loss, f'epoch {epoch} step {step}')
     steps += 1
     run.global_step += 1
     if stopping:
       return steps, True
-    if cfg.ckpt_dir and cfg.ckpt_every_steps and run.global_step % cfg.ckpt_every_steps == 0:
+    # The epoch's last step is saved at its end, with its evaluation.
+    if (cfg.ckpt_dir and cfg.ckpt_every_steps and run.global_step % cfg.ckpt_every_steps == 0
+        and step + 1 < run.steps_per_epoch):
       save_checkpoint(run, epoch, step + 1)
   return steps, False
 
@@ -236,7 +254,7 @@ def save_checkpoint(run, epoch, step, best=False):
   replica calls it at the same step; the master writes."""
   torch_xla.sync()  # Runs the step's log closure, ...
   run.log.flush()  # ... and waits for it: the history saved is whole.
-  run.stop.check_losses()  # Nothing NaN is saved.
+  run.stop.check_losses()  # Nothing that ran away is saved.
   state = dict(model=run.model.state_dict(), optimizer=run.optimizer.state_dict(),
                lr_scheduler=run.scheduler.state_dict() if run.scheduler else None, epoch=epoch,
                step=step, global_step=run.global_step, flags=vars(run.cfg),
@@ -248,6 +266,7 @@ def stop_run(run, epoch, step, saved=None):
   """The end of a run stopped by SIGTERM or Ctrl-C at a step boundary: saves (unless `saved`
   holds this very state), says so."""
   if saved is None and run.cfg.ckpt_dir:
+    xm.master_print(f'Stopping at epoch {epoch} step {step}: saving a checkpoint ...', flush=True)
     saved = save_checkpoint(run, epoch, step)
   name, code = utils.record_stop(run.results, run.stop_signal(), run.global_step, saved)
   xm.master_print(f'Stopped by {name} at epoch {epoch} step {step}: ' +
@@ -291,7 +310,7 @@ def train(cfg, stop_signal):
   test_device_loader = pl.MpDeviceLoader(test_loader, device, **prefetch)
   if run.epoch <= cfg.num_epochs:  # Else: 'Run already finished'.
     xm.master_print(f'Replicas started: {world_size}; compiling the first step ...', flush=True)
-  with utils.ends_on_nan(results):  # A NaN loss ends the run, nothing saved after it.
+  with utils.ends_on_divergence(results, run.log, vars(cfg)):  # Nothing saved after it.
     for epoch in range(run.epoch, cfg.num_epochs + 1):
       first_step = run.step if epoch == run.epoch else 0
       train_loader.set_epoch(epoch, first_step)  # Skips, on the host, what a resumed run trained.
@@ -343,10 +362,11 @@ def main(argv):
       setattr(cfg, name, value)
   utils.set_precision(cfg.amp, cfg.bf16)  # Before the runtime starts.
   if supervisor:  # Bad input is one line here, before any replica, not one per replica.
-    tuned = f"{cfg.model}'s tuned" if cfg.model in MODEL_DEFAULTS else 'the default'
+    recipe = (f"{cfg.model}'s tuned recipe" if cfg.model in MODEL_DEFAULTS else
+              'the default recipe', MODEL_DEFAULTS.get(cfg.model, DEFAULTS))
     try:
-      supervisor.check_job(cfg, build_datasets, build_model, FAKE_CLASSES, f'{tuned} recipe where '
-                           '--lr or --lr_scheduler_type is unset', FLAGS['num_workers'].present)
+      supervisor.check_job(cfg, build_datasets, build_model, FAKE_CLASSES,
+                           {name for name in FLAGS if FLAGS[name].present}, recipe)
     except utils.SAID as e:
       utils.die(e)
   launcher = utils.spawns_replicas(single_process=cfg.num_cores == 1)  # Not under torchrun.

@@ -19,6 +19,7 @@ SIGTERM (Ctrl-C): every replica finishes the same step, the master saves, exit c
 
 import io
 import itertools
+import os
 import random
 import re
 import sys
@@ -26,31 +27,7 @@ import tarfile
 import time
 from types import SimpleNamespace
 
-import braceexpand
-import fsspec
-import numpy as np
-import PIL.Image
-import torch
-import torch.nn.functional as F
-import torch_xla
-import torch_xla.core.xla_model as xm
-import torch_xla.debug.metrics as met
-import torch_xla.debug.profiler as xp
-import torch_xla.distributed.parallel_loader as pl
-import torch_xla.runtime as xr
-import torch_xla.test.test_utils as test_utils
-import webdataset as wds
 from absl import app, flags
-from torch.utils.tensorboard import SummaryWriter
-
-import utils
-
-try:  # Optional: checks before the run starts and a watch over its processes (see its docstring).
-  import supervisor
-except ModuleNotFoundError as e:
-  if e.name != 'supervisor':
-    raise
-  supervisor = None
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string('wds_traindir', None, 'Training shards: a brace pattern of paths or URLs, e.g. '
@@ -98,6 +75,45 @@ flags.DEFINE_bool('metrics_debug', False, "Print torch_xla's metrics report afte
 flags.DEFINE_bool('profile', False, 'Start the profiler server so TensorBoard can capture a trace.')
 flags.DEFINE_integer('profiler_port', 9012, 'Profiler port of local replica 0 (replica i: + i).')
 flags.DEFINE_string('results_json', None, 'Write accuracy, rates and compile counts here at exit.')
+
+# --help answers here, before torch and torch_xla load (seconds): absl prints it as it parses.
+if __name__ == '__main__' and {'--help', '--helpshort', '--helpfull', '-?'} & set(sys.argv[1:]):
+  app.define_help_flags()  # As app.run does.
+  try:
+    FLAGS(sys.argv, known_only=True)
+  except SystemExit:  # absl's, after the help, is 1.
+    sys.exit(0)
+  except BrokenPipeError:  # --help | head: the reader has what it wanted.
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python flushes at exit.
+    sys.exit(0)
+  except flags.Error:
+    pass  # Said in one line by app.run's parse.
+
+import braceexpand
+import fsspec
+import numpy as np
+import PIL.Image
+import torch
+import torch.nn.functional as F
+import torch_xla
+import torch_xla.core.xla_model as xm
+import torch_xla.debug.metrics as met
+import torch_xla.debug.profiler as xp
+import torch_xla.distributed.parallel_loader as pl
+import torch_xla.runtime as xr
+import torch_xla.test.test_utils as test_utils
+import webdataset as wds
+from torch.utils.tensorboard import SummaryWriter
+
+import utils
+
+try:  # Optional: checks before the run starts and a watch over its processes (see its docstring).
+  import supervisor
+except ModuleNotFoundError as e:
+  if e.name != 'supervisor':
+    raise
+  supervisor = None
+
 # A notebook may import several scripts (the same flag names) or %run one again.
 utils.redefinable(FLAGS)
 
@@ -205,6 +221,9 @@ class WholeTar:
     self.tail = (self.tail + data[-tarfile.BLOCKSIZE:])[-tarfile.BLOCKSIZE:]  # 1 KB, not the read
     return data
 
+  def __repr__(self):  # What webdataset's errors name after "@": where in the shard.
+    return f'byte {self.size}'
+
   def cut_short(self):
     """Whether the stream, read to its end, is not a whole tar."""
     while self.read(1 << 16):
@@ -216,12 +235,13 @@ class WholeTar:
 
 class BadData:
   """A missing or corrupt shard or sample: raised (strict), or counted in counts[slot] with a
-  warning line for the first few; counts may be a tensor that the loader workers of a
-  replica share (one slot each), so that a million bad samples are not a million lines."""
+  warning line for the first few, once however often it is read; counts may be a tensor that
+  the loader workers of a replica share (one slot each), so that a million bad samples are
+  not a million lines."""
   SHOWN = 5
 
   def __init__(self, strict, counts=None, slot=0):
-    self.strict, self.slot = strict, slot
+    self.strict, self.slot, self.seen = strict, slot, set()
     self.counts = torch.zeros(1, dtype=torch.int64) if counts is None else counts
 
   @property
@@ -231,6 +251,9 @@ class BadData:
   def __call__(self, message):
     if self.strict:
       raise utils.BadDataError(f'{message}: replace it, or drop --fail_on_bad_data to skip it')
+    if message in self.seen:  # Read again, to fill the epoch (see TrainShards.samples).
+      return
+    self.seen.add(message)
     self.counts[self.slot] += 1
     shown = int(self.counts.sum())
     if shown <= self.SHOWN:
@@ -407,7 +430,8 @@ def start_run(cfg, steps_per_epoch, stop_signal):
   writer = SummaryWriter(cfg.logdir) if cfg.logdir and xm.is_master_ordinal() else None
   results = utils.new_results(cfg.model, amp=cfg.amp, skipped_bad_data=0, repeated_samples=0)
   run = SimpleNamespace(cfg=cfg, model=model, optimizer=optimizer, scheduler=scheduler,
-                        stop=utils.StopVote(device, stop_signal, cfg.lr), stop_signal=stop_signal,
+                        stop=utils.StopVote(device, stop_signal, optimizer, cfg.num_classes),
+                        stop_signal=stop_signal, steps_per_epoch=steps_per_epoch,
                         results=results, num_classes=cfg.num_classes, epoch=1, step=0,
                         global_step=0)
   state = utils.resume(cfg.resume, cfg.ckpt_dir, (model, optimizer, scheduler),
@@ -447,13 +471,15 @@ def train_one_epoch(run, loader, epoch, first_step):
       if step % cfg.log_steps == 0:
         xm.add_step_closure(run.log.add, args=(epoch, step, run.global_step, loss, tracker,
                                                run.optimizer.param_groups[0]['lr']))
-      # The same answer on every replica (and the end of the run on a NaN loss).
+      # The same answer on every replica (and the end of the run if loss or weights run away).
       stopping = run.stop.agreed_after_step(loss, f'epoch {epoch} step {step}')
     steps += 1
     run.global_step += 1
     if stopping:
       return steps, True
-    if cfg.ckpt_dir and cfg.ckpt_every_steps and run.global_step % cfg.ckpt_every_steps == 0:
+    # The epoch's last step is saved at its end, with its evaluation.
+    if (cfg.ckpt_dir and cfg.ckpt_every_steps and run.global_step % cfg.ckpt_every_steps == 0
+        and step + 1 < run.steps_per_epoch):
       save_checkpoint(run, epoch, step + 1)
   return steps, False
 
@@ -478,7 +504,7 @@ def save_checkpoint(run, epoch, step, best=False):
   replica calls it at the same step; the master writes."""
   torch_xla.sync()  # Runs the step's log closure, ...
   run.log.flush()  # ... and waits for it: the history saved is whole.
-  run.stop.check_losses()  # Nothing NaN is saved.
+  run.stop.check_losses()  # Nothing that ran away is saved.
   state = dict(model=run.model.state_dict(), optimizer=run.optimizer.state_dict(),
                lr_scheduler=run.scheduler.state_dict() if run.scheduler else None, epoch=epoch,
                step=step, global_step=run.global_step, flags=vars(run.cfg),
@@ -490,6 +516,7 @@ def stop_run(run, epoch, step, saved=None):
   """The end of a run stopped by SIGTERM or Ctrl-C at a step boundary: saves (unless `saved`
   holds this very state), says so."""
   if saved is None and run.cfg.ckpt_dir:
+    xm.master_print(f'Stopping at epoch {epoch} step {step}: saving a checkpoint ...', flush=True)
     saved = save_checkpoint(run, epoch, step)
   name, code = utils.record_stop(run.results, run.stop_signal(), run.global_step, saved)
   xm.master_print(f'Stopped by {name} at epoch {epoch} step {step}: ' +
@@ -533,7 +560,7 @@ def train(cfg, stop_signal):
   test_device_loader = pl.MpDeviceLoader(test_loader, device, **prefetch)
   if run.epoch <= cfg.num_epochs:  # Else: 'Run already finished'.
     xm.master_print(f'Replicas started: {world_size}; compiling the first step ...', flush=True)
-  with utils.ends_on_nan(results):  # A NaN loss ends the run, nothing saved after it.
+  with utils.ends_on_divergence(results, run.log, vars(cfg)):  # Nothing saved after it.
     for epoch in range(run.epoch, cfg.num_epochs + 1):
       first_step = run.step if epoch == run.epoch else 0
       # Shard order, shuffle and crops: a function of (seed, epoch); a resumed run reads the
@@ -604,8 +631,8 @@ def main(argv):
       print(f'Data: {cfg.trainsize:,} training samples in {shards[0]} shards and {cfg.testsize:,} '
             f'evaluation samples in {shards[1]}, 3x{SIDE}x{SIDE} uint8, {cfg.num_classes} classes')
       print(supervisor.describe_model(cfg.model, build_model(cfg, cfg.num_classes), cfg.num_classes))
-      print(supervisor.describe_recipe(cfg, 'set by --lr, --lr_scheduler_type, --momentum and '
-                                       '--weight_decay'), flush=True)
+      given = {name for name in FLAGS if FLAGS[name].present}
+      print(supervisor.describe_recipe(cfg, supervisor.recipe_source(given, None, {})), flush=True)
       supervisor.check_outputs(cfg.ckpt_dir, cfg.logdir, cfg.results_json, cfg.compile_cache_dir)
     except utils.UsageError as e:
       utils.die(e)

@@ -25,6 +25,7 @@ import traceback
 import zipfile
 
 import fsspec
+import numpy as np
 import torch
 import torch.distributed
 import torch_xla
@@ -39,7 +40,7 @@ from torchvision.io import ImageReadMode, decode_jpeg
 from torchvision.transforms import v2
 
 EXIT_BELOW_TARGET = 21  # upstream's code for a run below --target_accuracy
-EXIT_DIVERGED = 22  # the loss became NaN: nothing was saved after it
+EXIT_DIVERGED = 22  # the loss or the weights ran away: nothing was saved after it
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped by SIGTERM after a checkpoint; run it again.
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a Ctrl-C.
 # What the user's SIGINT is called in the lines about it: a notebook's run() says "Interrupt",
@@ -70,7 +71,7 @@ class BadDataError(Exception):
 
 
 class Diverged(Exception):
-  """The loss became NaN at the step this names (every replica agrees on it)."""
+  """The loss or the weights ran away at the step this names (every replica agrees on it)."""
 
 
 # What a process of a run says in one `error:` line (exit code 2) instead of a traceback: a
@@ -88,7 +89,7 @@ def parse_flags(argv, elsewhere=None):
   elsewhere: {flag of another script: what to say instead of absl's guess}."""
   try:
     rest = flags.FLAGS(argv)
-  except SystemExit:  # absl's --help, --helpshort and --helpfull print, then exit 1.
+  except SystemExit:  # absl's --help (in a --flagfile, say) prints, then exits 1.
     sys.exit(0)
   except flags.UnrecognizedFlagError as e:
     die(f'--{e.flagname}: {elsewhere[e.flagname]}' if e.flagname in (elsewhere or {}) else
@@ -147,8 +148,9 @@ def create_model(name, num_classes):
 
 def load_image(path):
   """The image at path as a uint8 RGB tensor (3 x H x W): a JPEG by torchvision's decoder
-  (libjpeg-turbo, no PIL image on the way), any other file (PNG, ...) by PIL; a corrupt file
-  names itself in one line instead of a traceback."""
+  (libjpeg-turbo, no PIL image on the way), any other file (PNG, ...) by PIL, 16-bit grey
+  scaled to 8 bits; a corrupt file, or pixels whose range is unknown, name the file in one
+  line instead of a traceback or a wrong image."""
   try:
     with open(path, 'rb') as f:
       data = f.read()
@@ -159,18 +161,33 @@ def load_image(path):
       except RuntimeError:
         pass  # PIL reads some that libjpeg refuses here, and says what is wrong with the rest.
     with Image.open(io.BytesIO(data)) as image:
+      if image.mode.startswith('I;16') or (image.mode == 'I' and image.format == 'PNG'):
+        # PIL's convert('RGB') clips 16-bit values at 255: most pixels would come out white.
+        grey = (np.asarray(image).astype(np.uint32) + 128) // 257
+        return torch.from_numpy(grey.astype(np.uint8)).expand(3, -1, -1).clone()
+      if image.mode in ('I', 'F'):
+        raise BadDataError(f'cannot read image {path} ({image.mode} mode: 32-bit pixels of no '
+                           'known range): save it with 8- or 16-bit pixels')
       return v2.functional.pil_to_tensor(image.convert('RGB'))
-  except OSError as e:  # PIL.UnidentifiedImageError and truncated files are OSErrors.
+  except (OSError, ValueError) as e:  # Truncated files, PIL.UnidentifiedImageError, a mode
+    # PIL cannot make RGB.
     why = 'not an image file' if isinstance(e, Image.UnidentifiedImageError) else e
     raise BadDataError(f'cannot read image {path} ({why}): replace or remove the file') from None
 
 
 def normalize(images, mean=IMAGENET_MEAN, std=IMAGENET_STD):
   """What the model gets of a batch, inside the step on the device: uint8 images (0 to 255)
-  as floats normalised per channel, (x / 255 - mean) / std, in the step's graph; float images
-  as they are (a dataset that normalises its own)."""
+  as floats normalised per channel, (x / 255 - mean) / std, in the step's graph (grey ones:
+  by the channels' averages); float images as they are (a dataset that normalises its own)."""
   if images.dtype != torch.uint8:
     return images
+  channels = images.shape[-3]
+  if channels == 1 and len(mean) > 1:
+    mean, std = (sum(mean) / len(mean),), (sum(std) / len(std),)
+  elif channels != len(mean):
+    raise UsageError(f'{channels}-channel uint8 images: utils.normalize takes {len(mean)} channels '
+                     "or 1: make them RGB (v2.RGB() in build_datasets' transform), or float "
+                     'images normalised as your model wants')
   shift, scale = _channel_constants(mean, std, str(images.device))
   return images.float().sub_(shift).mul_(scale)  # two elementwise ops
 
@@ -334,6 +351,8 @@ def finish_results(results, global_step, samples_per_step, writer):
   results['train_samples'] = global_step * samples_per_step
   results['global_rate'] = results['train_samples'] / max(results['train_seconds'], 1e-9)
   results['compilations'] = compile_count()
+  if results.get('diverged'):  # Its error line is the last one.
+    return results
   xm.master_print(f'Total train time: {results["train_seconds"]:.1f} s', flush=True)
   after = results['compilations_after_epoch']
   if after:  # Each graph compiled after epoch 1 would stall a TPU run for its compile time.
@@ -349,10 +368,7 @@ def exit_code(results, target_accuracy):
   """The exit code of a run with these results (see the README)."""
   if results.get('preempted') or results.get('interrupted'):
     return EXIT_INTERRUPTED if results.get('interrupted') else EXIT_PREEMPTED
-  if results.get('diverged'):
-    xm.master_print(f'error: the loss became NaN at {results["diverged"]}: training diverged; '
-                    'lower --lr and run again (nothing was saved after that step; exit code '
-                    f'{EXIT_DIVERGED})', fd=sys.stderr, flush=True)
+  if results.get('diverged'):  # Said by ends_on_divergence.
     return EXIT_DIVERGED
   if results['final_accuracy'] < target_accuracy:
     xm.master_print(f'Accuracy {results["final_accuracy"]:.2f} is below target '
@@ -510,7 +526,8 @@ def check_same_model(model, state, path):
 
 def resume(resume_path, ckpt_dir, training, flag_values, world_size):
   """Restores training = (model, optimizer, scheduler or None) and the RNGs from the checkpoint
-  find_checkpoint chose and returns it (or None); warns if the checkpoint's run had another
+  find_checkpoint chose and returns it (or None), with the --lr, --momentum and --weight_decay
+  given now (the way out of a run that diverged); warns if the checkpoint's run had another
   number of devices (world_size)."""
   path, state = find_checkpoint(resume_path, ckpt_dir)
   if state is None:
@@ -521,6 +538,7 @@ def resume(resume_path, ckpt_dir, training, flag_values, world_size):
   optimizer.load_state_dict(state['optimizer'])
   if scheduler is not None and state['lr_scheduler'] is not None:
     scheduler.load_state_dict(state['lr_scheduler'])
+  changed = new_recipe(optimizer, scheduler, state['flags'], flag_values)
   torch.set_rng_state(state['rng']['torch'])
   xm.set_rng_state(state['rng']['xla'])
   saved_world = state['results'].get('world_size', world_size)
@@ -535,8 +553,29 @@ def resume(resume_path, ckpt_dir, training, flag_values, world_size):
   xm.master_print(f'Run already finished: {path} is the end of epoch {epoch - 1} (--num_epochs '
                   f'{num_epochs}). To train on, give more --num_epochs; to start over, remove '
                   f'{where} or give another --ckpt_dir' if epoch > num_epochs else
-                  f'Resumed from {path} at epoch {epoch} step {state["step"]}', flush=True)
+                  f'Resumed from {path} at epoch {epoch} step {state["step"]}' + (
+                      f', with {changed}' if changed else ''), flush=True)
   return state
+
+
+def new_recipe(optimizer, scheduler, saved, given):
+  """Puts the optimizer's settings given now (flag values) in place of those a checkpoint's
+  run had (optimizer.load_state_dict restores those), keeping where the LR schedule is;
+  returns what changed, for the "Resumed" line."""
+  changed = {name: (saved[name], given[name]) for name in ('lr', 'momentum', 'weight_decay')
+             if given.get(name) is not None and saved.get(name, given[name]) != given[name]}
+  for group in optimizer.param_groups:
+    if 'lr' in changed:
+      old, new = changed['lr']
+      group['lr'] = group['lr'] * new / old if old else new
+      if 'initial_lr' in group:  # LambdaLR's
+        group['initial_lr'] = new
+    for name in ('momentum', 'weight_decay'):
+      group[name] = given[name] if name in changed else group[name]
+  if scheduler is not None and 'lr' in changed:
+    scheduler.base_lrs = [changed['lr'][1]] * len(scheduler.base_lrs)
+  return ', '.join(f'--{name} {new:g} (the checkpoint\'s run had {old:g})'
+                   for name, (old, new) in changed.items())
 
 
 # ----------------------------------------------------------------------------- the stop
@@ -642,46 +681,60 @@ def record_stop(results, signum, global_step, checkpoint=None):
 
 class StopVote:
   """A stop signal on any replica (SPMD: host) as a stop after the same step on all of them;
-  and a NaN loss on any as the end of the run on all (Diverged), an infinite one as a warning."""
+  and a loss or weights that ran away on any as the end of the run on all (Diverged), read
+  before every save, so that no checkpoint holds them: a NaN or infinite loss, one over
+  LOSS_BOUND times chance level (ln of the class count), a weight NaN or over WEIGHT_BOUND."""
   LAG = 2
+  LOSS_BOUND = 100  # times ln(classes): far above any loss a run that learns has
+  WEIGHT_BOUND = 1e4  # A network that learns has its weights mostly below 1.
 
-  def __init__(self, device, stop_signal, lr):
+  def __init__(self, device, stop_signal, optimizer, num_classes):
     # Device buffers copied once: no transfer per step, and no scalar constants (a graph each).
     self.flags = (torch.zeros(1).to(device), torch.ones(1).to(device))
-    self.stop_signal, self.lr, self.votes, self.warned = stop_signal, lr, collections.deque(), False
+    self.stop_signal, self.votes = stop_signal, collections.deque()
+    self.weights = [w for group in optimizer.param_groups for w in group['params']]
+    self.loss_bound = self.LOSS_BOUND * math.log(max(num_classes, 2))
 
   def tally(self, flag, loss):
-    """[replicas asking to stop, replicas whose loss is infinite, whose loss is NaN]."""
-    return xm.all_reduce(xm.REDUCE_SUM, torch.cat([flag, self.not_finite(loss)]))
+    """[share of the replicas asking to stop, their mean loss, the largest weight]."""
+    return xm.all_reduce(xm.REDUCE_SUM, torch.cat([flag, self.health(loss)]),
+                         scale=1.0 / xr.world_size())
 
-  @staticmethod
-  def not_finite(loss):
-    return torch.stack([torch.isinf(loss), torch.isnan(loss)]).to(torch.float32)
+  def health(self, loss):
+    """[loss, the largest |weight|, inf if one is NaN] in the step's graph. The weights
+    suffice: a NaN or infinite gradient, momentum or batch statistic makes them (or the loss)
+    NaN in the same step."""
+    # XLA's max skips NaN: it counts as inf here.
+    largest = torch.stack([torch.where(torch.isnan(w), math.inf, w.abs()).max()
+                           for w in self.weights]).max()
+    return torch.stack([loss.detach().float(), largest.float()])
 
   def agreed_after_step(self, loss, where):
     """Whether all stop after this step: the tally is in the step's graph and read LAG steps
-    on, when it is long computed. Raises Diverged for a NaN loss."""
+    on, when it is long computed. Raises Diverged for a loss or weights that ran away."""
     self.votes.append((where, self.tally(self.flags[self.stop_signal() != 0], loss)))
     return len(self.votes) > self.LAG and self._read(*self.votes.popleft())
 
   def _read(self, where, tally):
-    stops, infinite, nan = tally.tolist()
-    if nan:
-      raise Diverged(where)
-    if infinite and not self.warned:
-      self.warned = True
-      xm.master_print(f'warning: the loss is infinite at {where}: lower --lr (it is {self.lr:g}) '
-                      'if it does not come back', fd=sys.stderr, flush=True)
+    stops, loss, largest = tally.tolist()
+    if not loss <= self.loss_bound:  # NaN too
+      raise Diverged(f'the loss became {"NaN" if math.isnan(loss) else "infinite"} at {where}'
+                     if not math.isfinite(loss) else f'the loss reached {loss:.3g} at {where} '
+                     f'(over {self.loss_bound:.0f}, {self.LOSS_BOUND} times chance level)')
+    if not largest <= self.WEIGHT_BOUND:
+      raise Diverged(f'the weights reached {largest:.3g} at {where} (a network that learns '
+                     'holds them near 1)' if math.isfinite(largest) else
+                     f'the weights became NaN or infinite at {where}')
     return stops > 0
 
   def check_losses(self):
-    """Before a save (after a sync): raises Diverged if a step not yet read had a NaN loss."""
+    """Before a save (after a sync): raises Diverged if a step not yet read ran away."""
     for vote in self.votes:
       self._read(*vote)
 
   def agreed_at_epoch_end(self):
     """True when any replica asked to stop during the last steps or since."""
-    pending = [self._read(*vote) for vote in self.votes]  # Every one: a NaN among them too.
+    pending = [self._read(*vote) for vote in self.votes]  # Every one: one that ran away too.
     self.votes.clear()
     return self.agree(any(pending) or self.stop_signal() != 0)
 
@@ -690,13 +743,27 @@ class StopVote:
 
 
 @contextlib.contextmanager
-def ends_on_nan(results):
-  """Around the epochs: a NaN loss (Diverged) ends them, with nothing saved after it (the
-  checkpoints already saved are as they were); exit_code says so."""
+def ends_on_divergence(results, log, flag_values):
+  """Around the epochs: a loss or weights that ran away (Diverged) end them, with nothing
+  saved after that step; after the step lines logged so far, the master says which run gets
+  out: the same command with a lower --lr resumes from the last checkpoint kept (saved
+  before, and holding nothing that ran away), with the new --lr."""
   try:
     yield
   except Diverged as e:
     results['diverged'] = str(e)
+    log.flush()
+    if xr.world_size() > 1:
+      xm.rendezvous('diverged')  # Every replica's step lines before the error.
+    resume_from = flag_values.get('resume') or (
+        max(list_checkpoints(flag_values['ckpt_dir']).items(), default=(0, None))[1]
+        if flag_values.get('ckpt_dir') else None)
+    lower = f'lower --lr (it is {flag_values["lr"]:g}) and run again'
+    xm.master_print(f'error: {e}: training diverged; ' + (
+        f'{lower}: the same command resumes from {resume_from} with the new --lr (no checkpoint '
+        'holds a step that ran away), or give another --ckpt_dir to start over' if resume_from
+        else f'{lower}: nothing was saved, so it starts over' if flag_values.get('ckpt_dir') else
+        lower) + f' (exit code {EXIT_DIVERGED})', fd=sys.stderr, flush=True)
 
 
 @contextlib.contextmanager

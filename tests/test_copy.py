@@ -8,6 +8,7 @@ import io
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -18,7 +19,7 @@ import numpy as np
 import pytest
 
 from conftest import (REPO, assert_nothing_left, assert_one_error, assert_same_training,
-                      read_json, script_env, wait_for)
+                      read_json, script_env, training_losses, wait_for)
 
 KITS = ['train_resnet_mp.py', 'train_resnet_spmd.py', 'train_single_core.py', 'train_wds_cifar.py']
 OPTIONAL = {'supervisor', 'command'}
@@ -147,7 +148,9 @@ def test_readme_adapt_it_example_learns_in_a_project_with_its_own_utils(tmp_path
   # The first lines say what it trains, as the README shows them.
   assert re.search(r'^Data: 512 training and 100 evaluation samples of 3x24x24 float32, 3 classes\n'
                    r'Model: smallcnn \(Sequential, [\d.]+M parameters, 3 classes\)\n'
-                   r'Recipe: SGD, lr 0\.02 constant', result.stdout, re.M), result.stdout[:2000]
+                   r'Recipe: SGD, lr 0\.02 constant, momentum 0\.9, weight decay 0\.0001 \(--lr as '
+                   r"given, --lr_scheduler_type from the default recipe, the rest the flags' "
+                   r'defaults\)$', result.stdout, re.M), result.stdout[:2000]
   results = read_json(tmp_path / 'r.json')
   assert results['model'] == 'smallcnn'
   assert results['final_accuracy'] > 90, result.stdout[-3000:]
@@ -234,18 +237,52 @@ def test_each_kit_alone_stops_on_ctrl_c_with_a_checkpoint(tmp_path, script):
   # (The kit's resume is utils.py's, the same for every script: bitwise above, with the mp kit.)
 
 
-def test_kit_alone_ends_on_a_nan_loss_and_a_replica_says_a_bad_path_in_one_line(tmp_path):
+def test_kit_alone_ends_a_diverging_run_and_a_replica_says_a_bad_path_in_one_line(tmp_path):
   project = tmp_path / 'project'
   copy_kit('train_single_core.py', project)
   nan = start_in(project, 'train_single_core.py', '--fake_data', '--model', 'resnet18',
                  '--img_dim', 16, '--batch_size', 8, '--num_epochs', 1, '--num_steps', 12,
-                 '--log_steps', 1, '--lr', 1e9)
+                 '--log_steps', 1, '--lr', 1e6)
   out, _ = nan.communicate(timeout=600)
-  assert_one_error((nan.returncode, out), 22, r'^error: the loss became NaN at epoch 1 step \d+: '
-                   'training diverged')
+  # At this --lr the fake data's loss swung between 0 and 1e16 without becoming NaN, and the
+  # run passed as done: the weights that ran away end it.
+  assert_one_error((nan.returncode, out), 22, r'^error: the (weights|loss) \S+ \S+ at epoch 1 step '
+                   r'\d+.*: training diverged; lower --lr \(it is 1e\+06\) and run again \(exit '
+                   r'code 22\)$')
   # In a spawned replica of the mp kit: its line and its code are the run's.
   copy_kit('train_resnet_mp.py', tmp_path / 'mp')
   missing = start_in(tmp_path / 'mp', 'train_resnet_mp.py', '--datadir', tmp_path / 'nowhere',
                      '--model', 'resnet18', '--img_dim', 16)
   out, _ = missing.communicate(timeout=600)
   assert_one_error((missing.returncode, out), 2, r'^error: .*nowhere/train')
+
+
+def test_grey_images_are_one_line_naming_the_fix_for_an_rgb_model_and_train_with_a_grey_one(
+    tmp_path, colour_folder):
+  # A copier's edit: grey images (uint8, as docs/adapt.md prefers) for the torchvision model.
+  project = tmp_path / 'project'
+  copy_kit('train_single_core.py', project)
+  shutil.copy(REPO / 'supervisor.py', project)  # The checks at start are its.
+  script = project / 'train_single_core.py'
+  source = script.read_text()
+  assert source.count('transform=v2.Compose([') == 2
+  script.write_text(source.replace('transform=v2.Compose([', 'transform=v2.Compose([v2.Grayscale(), '))
+  args = ['train_single_core.py', '--datadir', colour_folder, '--model', 'resnet18', '--img_dim',
+          16, '--batch_size', 8, '--test_set_batch_size', 8, '--num_epochs', 1, '--num_steps', 4,
+          '--log_steps', 1, '--num_workers', 0]
+  out, _ = (refused := start_in(project, *args)).communicate(timeout=300)
+  assert_one_error((refused.returncode, out), 2, r"^error: build_model's model cannot take "
+                   r"build_datasets' samples \(1x16x16 uint8\): .*; give 3-channel images "
+                   r'\(v2\.RGB\(\) in the transform\) or a model whose first layer takes 1$')
+  # The model's first layer for one channel: utils.normalize takes grey images too.
+  source = script.read_text()
+  script.write_text(source.replace(
+      '  return utils.create_model(cfg.model, num_classes)',
+      '  model = utils.create_model(cfg.model, num_classes)\n'
+      '  model.conv1 = torch.nn.Conv2d(1, 64, 7, 2, 3, bias=False)\n'
+      '  return model'))
+  out, _ = (grey := start_in(project, *args)).communicate(timeout=600)
+  assert grey.returncode == 0, out[-3000:]
+  assert re.search(r'^Data: 256 training and 20 evaluation samples of 1x16x16 uint8', out, re.M)
+  trained = [float(loss) for loss in training_losses(out).values()]
+  assert len(trained) == 4 and all(np.isfinite(trained)), out

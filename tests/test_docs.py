@@ -1,13 +1,15 @@
 # SPDX-License-Identifier: BSD-3-Clause
 """The documentation holds together: README.md is a front page of at most 300 lines that
 links every page of docs/, every relative link and heading anchor in README.md and docs/
-resolves (as GitHub renders them), and every Python file starts with the SPDX line the
-README says it does. Reads files only: no torch, fast."""
+resolves (as GitHub renders them), every Python file starts with the SPDX line the
+README says it does, and a table the docs quote from benchmarks/copy_size.py is what it
+prints for the code as it is now. Reads files only (copy_size.py too): no torch, fast."""
 
 import pathlib
 import re
 import shutil
 import subprocess
+import sys
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 SPDX = '# SPDX-License-Identifier: BSD-3-Clause'
@@ -136,3 +138,32 @@ def test_every_python_file_starts_with_its_spdx_line():
   without = [str(path.relative_to(REPO)) for path in files
              if path.read_text().split('\n', 1)[0] != SPDX]
   assert not without, f'no "{SPDX}" first line: {", ".join(without)}'
+
+
+def tables(text):
+  """[(header line, [row lines])] of the Markdown tables in text, the separator row left out."""
+  found, block = [], []
+  for line in text.split('\n') + ['']:
+    if line.startswith('|'):
+      block.append(line.strip())
+    elif block:
+      found.append((block[0], block[2:]))
+      block = []
+  return found
+
+
+def test_the_docs_quote_copy_size_py_as_it_prints_now():
+  # Its counts move with every change to a script or utils.py: a figure copied into a page
+  # by hand drifts (a copier was once told 1,007 lines where the kit had 1,059).
+  done = subprocess.run([sys.executable, str(REPO / 'benchmarks' / 'copy_size.py')],
+                        capture_output=True, text=True, timeout=120)
+  assert done.stdout, done.stderr
+  printed = dict(tables(done.stdout))
+  quotes = [(page, header, rows) for page in pages() for header, rows in tables(page.read_text())
+            if header in printed]
+  assert quotes, f'no page quotes a table of benchmarks/copy_size.py; it prints:\n{done.stdout}'
+  stale = [f'{page.relative_to(REPO)}: the table that starts "{header[:40]}..." holds\n'
+           + '\n'.join(rows) + '\nwhere benchmarks/copy_size.py now prints\n'
+           + '\n'.join(printed[header])
+           for page, header, rows in quotes if rows != printed[header]]
+  assert not stale, '\n\n'.join(stale)

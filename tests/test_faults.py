@@ -95,6 +95,9 @@ def test_ctrl_c_stops_every_replica_after_a_step_saves_and_exits_130(data, tmp_p
   assert stopped, out
   saved = torch.load(stopped.group(3), weights_only=True)
   assert (saved['epoch'], saved['step']) == (int(stopped.group(1)), int(stopped.group(2)))
+  # Where it stops, said before the save (a minute on a CPU for a large model).
+  assert re.search(rf'^Stopping at epoch {saved["epoch"]} step {saved["step"]}: saving a '
+                   r'checkpoint \.\.\.\n(?:.*\n)*?Saved checkpoint ', out, re.M), out
   # A few steps after the signal: the stop is agreed at a step boundary (the vote of the
   # spawning scripts reads a sum two steps old), not at the end of the run.
   assert saved['global_step'] <= 2 + 4, out

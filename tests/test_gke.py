@@ -21,7 +21,7 @@ import yaml
 from conftest import REPO, TRAIN_LINE, assert_nothing_left, script_env
 
 XPK_VERSION = '1.16.0'
-# The exit codes of docs/checkpoints.md: done, a bug, a usage or data error, a NaN loss; and
+# The exit codes of docs/checkpoints.md: done, a bug, a usage or data error, a run that diverged; and
 # the stops: preempted (SIGTERM), Ctrl-C, killed by SIGKILL or SIGTERM before it could save.
 NEVER_RESTART = [0, 1, 2, 22]
 RESTART = [75, 130, 137, 143]

@@ -66,6 +66,32 @@ def test_a_file_that_cannot_be_read_is_one_line_naming_it(tmp_path, name, cut):
                       r'the file', str(error.value)), error.value
 
 
+@pytest.mark.parametrize('name', ['grey16.png', 'grey16.tif', 'grey16-big-endian.tif'])
+def test_16_bit_grey_reads_as_its_values_scaled_to_8_bits(tmp_path, name):
+  # PIL's convert('RGB') clips 16-bit values at 255: this image was all but white.
+  print('seed', SEED)
+  values = np.random.default_rng(SEED).integers(0, 65536, (30, 40)).astype(np.uint16)
+  path = tmp_path / name
+  if 'big-endian' in name:
+    Image.frombytes('I;16B', (40, 30), values.astype('>u2').tobytes()).save(path)
+  else:
+    Image.fromarray(values).save(path)
+  read = utils.load_image(path)
+  expected = np.round(values / 257).astype(np.uint8)
+  assert read.dtype == torch.uint8 and read.shape == (3, 30, 40)
+  assert all(np.array_equal(read[channel].numpy(), expected) for channel in range(3))
+
+
+@pytest.mark.parametrize('pixels', [np.float32, np.int32])
+def test_32_bit_pixels_of_no_known_range_are_one_line_naming_the_file(tmp_path, pixels):
+  path = tmp_path / 'depth.tif'
+  Image.fromarray((np.arange(1200).reshape(30, 40) * 1000).astype(pixels)).save(path)
+  with pytest.raises(utils.BadDataError) as error:
+    utils.load_image(path)
+  assert re.fullmatch(rf'cannot read image {re.escape(str(path))} \([IF] mode: 32-bit pixels of no '
+                      r'known range\): save it with 8- or 16-bit pixels', str(error.value)), error.value
+
+
 def test_folders_give_uint8_crops_seeded_per_sample(tmp_path):
   for split in ('train', 'val'):
     for i in range(3):

@@ -173,7 +173,7 @@ def test_a_stop_as_an_epoch_ends_saves_once_and_after_the_last_epoch_is_the_end(
   ckpt_dir = tmp_path / 'ckpt'
   args = ['--fake_data', '--model', 'resnet18', '--img_dim', 16, '--batch_size', 4,
           '--test_set_batch_size', 4, '--num_steps', 3, '--log_steps', 1, '--num_epochs', 2,
-          '--ckpt_dir', ckpt_dir, '--results_json', tmp_path / 'r.json']
+          '--ckpt_dir', ckpt_dir, '--ckpt_every_steps', 3, '--results_json', tmp_path / 'r.json']
 
   def stop_as_epoch_ends(epoch):
     """SIGTERM once the epoch's training is over: it lands while the epoch is evaluated."""
@@ -185,8 +185,10 @@ def test_a_stop_as_an_epoch_ends_saves_once_and_after_the_last_epoch_is_the_end(
 
   code, out = stop_as_epoch_ends(1)
   assert code == 75, out
+  assert re.search(r'^Stopping after this step and saving \(SIGTERM\)$', out, re.M), out
   saved = str(ckpt_dir / 'ckpt-00000003.pt')
-  assert re.findall(r'^Saved checkpoint (\S+)$', out, re.M) == [saved], out  # Once.
+  # Once, though --ckpt_every_steps falls on the epoch's last step too.
+  assert re.findall(r'^Saved checkpoint (\S+)$', out, re.M) == [saved], out
   assert re.search(rf'^Stopped by SIGTERM at epoch 2 step 0: saved {re.escape(saved)}; run the '
                    r'same command to resume \(exit code 75\)$', out, re.M), out
   # Epoch 2 is the last: a stop as it ends has nothing left to stop, and the run is done.

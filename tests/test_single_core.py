@@ -43,6 +43,8 @@ def test_readme_quick_start_flags_train_and_report(tmp_path):
   assert result.returncode == 0, result.stderr
   out = result.stdout
   assert 'Epoch 1 train begin' in out and 'Epoch 1 train end' in out
+  # No optimiser flag given: the line says so.
+  assert re.search(r"^Recipe: SGD, lr 0\.1 constant, .* \(the flags' defaults\)$", out, re.M), out
   assert re.search(r'^Epoch 1 test end \d\d:\d\d:\d\d, Accuracy=\d+\.\d\d$', out, re.M)
   assert re.search(r'^Max Accuracy: \d+\.\d\d%$', out, re.M)
   # Fake labels are constant, so the loss must fall fast.
@@ -95,8 +97,10 @@ def test_learns_counts_every_val_image_once_and_compiles_only_in_epoch_1(tmp_pat
   assert 'is below target' in result.stdout
   results = read_json(tmp_path / 'r.json')
   # What the data is, is said at start, as ImageFolder counts it.
-  assert re.search(r'^Data: 256 training and 21 evaluation samples of 3x32x32 uint8, 4 classes$',
-                   result.stdout, re.M), result.stdout
+  assert re.search(r'^Data: 256 training and 21 evaluation samples of 3x32x32 uint8, 4 classes\n'
+                   r'Model: resnet18 .*\nRecipe: SGD, lr 0\.005 constant, momentum 0\.9, weight decay '
+                   r"0\.0001 \(--lr as given, the rest the flags' defaults\)$", result.stdout, re.M), \
+      result.stdout
   assert results['eval_samples'] == 21, result.stdout[-3000:]
   assert results['eval_correct'] == 20
   assert results['final_accuracy'] == pytest.approx(100 * 20 / 21)
