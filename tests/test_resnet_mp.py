@@ -80,6 +80,7 @@ def test_learns_with_warmup_and_decay_then_a_diverged_run_goes_on_as_its_line_sa
   # could hold them (the loss still finite), and a resume with a lower --lr kept the saved
   # one: every run after diverged. The line names the checkpoint to go on from.
   saved = ckpt_dir / 'ckpt-00000048.pt'
+  args += ['--num_workers', 0]  # Two runs more: no loader workers to start.
   code, out = finish(start_script(SCRIPT, *args, '--num_epochs', 4, '--lr', 1e6,
                                   '--results_json', tmp_path / 'diverged.json'))
   assert_one_error((code, out), 22, r'^error: the (weights|loss) \S+ \S+ at epoch 4 step \d+.*: '
