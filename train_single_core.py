@@ -60,7 +60,9 @@ flags.DEFINE_string('resume', None, 'Resume from this checkpoint instead of the 
 flags.DEFINE_string('compile_cache_dir', None, "torch_xla's compile cache, on this host's disk: a restart loads graphs, not compiles (TPU).")
 
 # --help answers here, before torch and torch_xla load (seconds): absl prints it as it parses.
-if __name__ == '__main__' and {'--help', '--helpshort', '--helpfull', '-?'} & set(sys.argv[1:]):
+# (In a notebook, %run goes through run(), below.)
+if (__name__ == '__main__' and 'IPython' not in sys.modules and
+    {'--help', '--helpshort', '--helpfull', '-?'} & set(sys.argv[1:])):
   app.define_help_flags()  # As app.run does.
   try:
     FLAGS(sys.argv, known_only=True)

@@ -77,7 +77,9 @@ flags.DEFINE_integer('profiler_port', 9012, 'Profiler port of local replica 0 (r
 flags.DEFINE_string('results_json', None, 'Write accuracy, rates and compile counts here at exit.')
 
 # --help answers here, before torch and torch_xla load (seconds): absl prints it as it parses.
-if __name__ == '__main__' and {'--help', '--helpshort', '--helpfull', '-?'} & set(sys.argv[1:]):
+# (In a notebook, %run goes through run(), below.)
+if (__name__ == '__main__' and 'IPython' not in sys.modules and
+    {'--help', '--helpshort', '--helpfull', '-?'} & set(sys.argv[1:])):
   app.define_help_flags()  # As app.run does.
   try:
     FLAGS(sys.argv, known_only=True)
