@@ -570,8 +570,8 @@ def new_recipe(optimizer, scheduler, saved, given):
       group['lr'] = group['lr'] * new / old if old else new
       if 'initial_lr' in group:  # LambdaLR's
         group['initial_lr'] = new
-    for name in ('momentum', 'weight_decay'):
-      group[name] = given[name] if name in changed else group[name]
+    group.update({name: changed[name][1] for name in ('momentum', 'weight_decay')
+                  if name in changed})
   if scheduler is not None and 'lr' in changed:
     scheduler.base_lrs = [changed['lr'][1]] * len(scheduler.base_lrs)
   return ', '.join(f'--{name} {new:g} (the checkpoint\'s run had {old:g})'
