@@ -1,22 +1,33 @@
 # SPDX-License-Identifier: BSD-3-Clause
-"""Writes CIFAR-10 as WebDataset tar shards for train_wds_cifar.py.
+"""Writes CIFAR-10, or ImageNet, as WebDataset tar shards for train_wds_cifar.py.
 
-Reads the folder that the official python release unpacks to (cifar-10-batches-py:
-data_batch_1..5, test_batch, batches.meta; torchvision.datasets.CIFAR10 uses the same)
-or an image folder (DIR/train/CLASS/*.png, DIR/test/CLASS/*.png, 32x32 images), and
-writes PREFIX-train-000000.tar, ... and PREFIX-test-000000.tar, ... to a local folder or
-any fsspec URL (gs://bucket/cifar10/cifar, ...).
+Reads the folder that CIFAR-10's official python release unpacks to (cifar-10-batches-py:
+data_batch_1..5, test_batch, batches.meta; torchvision.datasets.CIFAR10 uses the same) or an
+ImageNet-style image folder (DIR/train/CLASS/*.jpg, DIR/val/CLASS/*.jpg; or DIR/test), and
+writes PREFIX-train-000000.tar, ..., PREFIX-test-000000.tar (PREFIX-val-... for a val
+folder), ... and PREFIX-classes.txt (the class names, a line each, in label order) to a
+local folder or any fsspec URL (gs://bucket/imagenet/imagenet, ...). Training samples are
+shuffled once, with --shuffle_seed, so that every shard holds every class; a shard is
+written under a temporary name and renamed when whole, so a stopped run leaves none that
+looks whole.
 
-Each sample is two tar members, KEY.rgb (the image as 3,072 raw bytes, 32x32x3 uint8,
-height x width x channel) and KEY.cls (the label as ASCII digits). Raw bytes decode in
-about 1 us (np.frombuffer); a 32x32 PNG takes about 50 us, enough to make the host, not the
-TPU, the bottleneck. --format png writes KEY.png instead, which any WebDataset reader
-decodes (`.decode('pil')`) and any image viewer shows. train_wds_cifar.py reads both.
+Each sample is two tar members: an image file and KEY.cls (the label as ASCII digits).
+CIFAR-10's image is KEY.rgb (the 32x32x3 uint8 pixels as 3,072 raw bytes, height x width x
+channel): raw bytes decode in about 1 us (np.frombuffer), where a 32x32 PNG takes about 50,
+enough to make the host, not the TPU, the bottleneck; --format png writes KEY.png instead,
+which any WebDataset reader decodes (`.decode('pil')`) and any image viewer shows. An image
+folder's files are kept as they are (--format original, its default: ImageNet's JPEGs, no
+decoding, no resizing) as KEY.jpg, KEY.png or KEY.webp by what their bytes are; a file of
+another format (BMP, TIFF, ...) is stored as a lossless PNG.
 
   python make_cifar_shards.py --cifar_dir data/cifar-10-batches-py --output shards/cifar
+  python make_cifar_shards.py --image_folder imagenet --output gs://bucket/imagenet/imagenet \
+      --samples_per_shard 2002   # The article's 640 training shards.
 """
 
+import functools
 import io
+import itertools
 import os
 import pickle
 import random
@@ -34,21 +45,28 @@ import utils
 SIDE = 32  # CIFAR images are 32x32 RGB.
 FLAGS = flags.FLAGS
 flags.DEFINE_string('cifar_dir', None, 'The cifar-10-batches-py folder of the python release.')
-flags.DEFINE_string('image_folder', None, 'Or a folder with train/CLASS/*.png and test/CLASS/*.png.')
+flags.DEFINE_string('image_folder', None, 'Or a folder with train/CLASS/*.jpg and val/CLASS/*.jpg '
+                    '(or test/CLASS/...), as ImageNet is.')
 flags.DEFINE_string('output', None, 'Shard prefix: a local path or fsspec URL, e.g. gs://b/cifar.')
-flags.DEFINE_integer('samples_per_shard', 1000, 'Samples in each shard (the last may hold fewer).',
+flags.DEFINE_integer('samples_per_shard', 1000, 'Samples in each shard (the last may hold fewer; '
+                     'ImageNet in the 640 training shards of the Cloud TPU article: 2002).',
                      lower_bound=1)
 flags.DEFINE_integer('repeat', 1, 'Write the training set this many times, each reshuffled '
                      '(the Cloud TPU tutorial made 1.28M samples with 25).', lower_bound=1)
-flags.DEFINE_integer('shuffle_seed', 0, 'Seed of the training-set shuffle.')
-flags.DEFINE_enum('format', 'rgb', ['rgb', 'png'], 'Image files: raw bytes (fastest to read) or '
-                  'PNG (readable by other tools; lossless, about as big).')
+flags.DEFINE_integer('shuffle_seed', 0, 'Seed of the shuffle (training samples; an image folder\'s '
+                     'evaluation samples too, which it holds class by class).')
+flags.DEFINE_enum('format', None, ['rgb', 'png', 'original'], 'Image files: rgb, raw 32x32 bytes '
+                  '(fastest to read; CIFAR), png, 32x32 PNG (readable by other tools; lossless, '
+                  'about as big), or original, an image folder\'s files as they are (any size). '
+                  'Default: rgb for --cifar_dir, original for --image_folder.')
 flags.DEFINE_string('results_json', None, "Write train_wds_cifar.py's data flags here (JSON).")
 # A notebook may import several scripts (the same flag names) or %run one again.
 utils.redefinable(FLAGS)
 
 TRAIN_BATCHES = [f'data_batch_{i}' for i in range(1, 6)]
 DEFAULT_LOADER_WORKERS = 4  # train_wds_cifar.py's --num_workers
+# The first bytes of the image files kept as they are, and their key in a sample.
+KEPT = {b'\xff\xd8\xff': 'jpg', b'\x89PNG\r\n\x1a\n': 'png', b'RIFF': 'webp'}
 
 
 def add_member(tar, name, data):
@@ -59,29 +77,35 @@ def add_member(tar, name, data):
 
 
 def encode(image, image_format):
-  """The bytes of an image file of a sample: raw rgb or png."""
+  """(key, bytes) of an image (uint8 H x W x 3) as a sample's file: raw rgb or png."""
   if image_format == 'rgb':
-    return image.tobytes()
+    return 'rgb', image.tobytes()
   with io.BytesIO() as f:
     PIL.Image.fromarray(image).save(f, format='PNG')
-    return f.getvalue()
+    return 'png', f.getvalue()
 
 
-def write_shards(images, labels, order, pattern, samples_per_shard, image_format='rgb'):
-  """Writes samples images[order[k]], labels[order[k]] to pattern % 0, pattern % 1, ...,
-  the images as image_format (rgb or png) files; returns the URLs written."""
-  urls = []
-  for shard, start in enumerate(range(0, len(order), samples_per_shard)):
-    url = pattern % shard
-    # Written under a temporary name, then moved: a reader never sees half a shard.
-    with fsspec.open(url + '.tmp', 'wb') as f, tarfile.open(fileobj=f, mode='w',
-                                                            format=tarfile.USTAR_FORMAT) as tar:
-      for key in range(start, min(start + samples_per_shard, len(order))):
-        index = order[key]
-        add_member(tar, f'{key:08d}.{image_format}', encode(images[index], image_format))
-        add_member(tar, f'{key:08d}.cls', str(int(labels[index])).encode())
+def write_shards(samples, pattern, samples_per_shard):
+  """Writes the samples, (image file key, its bytes, label) each, in turn to pattern % 0,
+  pattern % 1, ..., samples_per_shard a shard; returns the URLs written. samples may be a
+  generator: a shard's samples are all that is held in memory."""
+  urls, samples = [], iter(samples)
+  key = 0
+  while shard := list(itertools.islice(samples, samples_per_shard)):
+    url = pattern % len(urls)
     fs, path = fsspec.core.url_to_fs(url)
-    fs.mv(path + '.tmp', path)
+    # Written under a temporary name, then moved: a reader never sees half a shard.
+    try:
+      with fs.open(path + '.tmp', 'wb') as f, tarfile.open(fileobj=f, mode='w',
+                                                          format=tarfile.USTAR_FORMAT) as tar:
+        for image_key, data, label in shard:
+          add_member(tar, f'{key:08d}.{image_key}', data)
+          add_member(tar, f'{key:08d}.cls', str(int(label)).encode())
+          key += 1
+      fs.mv(path + '.tmp', path)
+    finally:
+      if fs.exists(path + '.tmp'):  # Stopped (Ctrl-C, a full disk): nothing half-written is left.
+        fs.rm(path + '.tmp')
     urls.append(url)
   return urls
 
@@ -126,24 +150,49 @@ def read_cifar_python(folder):
           test_images, test_labels, names)
 
 
-def read_image_folder(root):
-  """The same from DIR/train/CLASS/*.png and DIR/test/CLASS/*.png (class folders sorted)."""
-  classes = supervisor.check_image_folders(root, ('train', 'test'))[0].classes
+def cifar_splits(folder, image_format):
+  """{split: [samples]}, the class names: the release's images as encode makes them."""
+  train_images, train_labels, test_images, test_labels, classes = read_cifar_python(folder)
+  def samples(images, labels):
+    return [lambda i=i: (*encode(images[i], image_format), labels[i]) for i in range(len(labels))]
+  return {'train': samples(train_images, train_labels),
+          'test': samples(test_images, test_labels)}, classes
 
-  def split(name):
-    images, labels = [], []
-    for label, cls in enumerate(classes):
-      for entry in sorted(os.scandir(os.path.join(root, name, cls)), key=lambda e: e.name):
-        if entry.is_file() and entry.name.lower().endswith(supervisor.IMG_EXTENSIONS):
-          image = utils.load_image(entry.path).permute(1, 2, 0).numpy()  # H x W x C
-          if image.shape != (SIDE, SIDE, 3):
-            raise utils.UsageError(f'{entry.path} is {image.shape[1]}x{image.shape[0]}: '
-                                   'CIFAR shards hold 32x32 images')
-          images.append(image)
-          labels.append(label)
-    return np.stack(images), np.asarray(labels, np.int64)
 
-  return (*split('train'), *split('test'), classes)
+def folder_splits(root, image_format):
+  """The same from DIR/train/CLASS/* and DIR/val/CLASS/* (or DIR/test): each sample read from
+  its file when written, kept as it is (original) or as a 32x32 image (rgb, png)."""
+  test = 'val' if os.path.isdir(os.path.join(root, 'val')) else 'test'
+  if not os.path.isdir(os.path.join(root, test)):
+    raise utils.UsageError(f'{os.path.join(root, "val")} is not a folder: {root} needs train and '
+                           f'val (or test) with one folder of images per class ({root}/val/CLASS/'
+                           'x.jpg)')
+  datasets = supervisor.check_image_folders(root, ('train', test))
+  read = kept_file if image_format == 'original' else functools.partial(cifar_file, image_format)
+  return ({split: [functools.partial(read, path, label) for path, label in dataset.samples]
+           for split, dataset in zip(('train', test), datasets)}, datasets[0].classes)
+
+
+def kept_file(path, label):
+  """(key, bytes, label) of an image file as it is: a JPEG, PNG or WebP's own bytes, any other
+  image as a lossless PNG."""
+  with open(path, 'rb') as f:
+    data = f.read()
+  image_key = next((key for magic, key in KEPT.items() if data.startswith(magic)), None)
+  if image_key == 'webp' and data[8:12] != b'WEBP':
+    image_key = None
+  if image_key is None:
+    return (*encode(utils.load_image(path).permute(1, 2, 0).numpy(), 'png'), label)
+  return image_key, data, label
+
+
+def cifar_file(image_format, path, label):
+  """(key, bytes, label) of a 32x32 image file as make_cifar_shards.py writes CIFAR-10."""
+  image = utils.load_image(path).permute(1, 2, 0).numpy()  # H x W x C
+  if image.shape != (SIDE, SIDE, 3):
+    raise utils.UsageError(f'{path} is {image.shape[1]}x{image.shape[0]}: --format {image_format} '
+                           'holds 32x32 images; keep the files as they are with --format original')
+  return (*encode(image, image_format), label)
 
 
 def main(argv):
@@ -153,59 +202,74 @@ def main(argv):
   if not FLAGS.output or FLAGS.output.endswith('/'):
     utils.die(f'give --output PREFIX, a path or URL the shard names start with, such as '
               f'{FLAGS.output or ""}cifar (not a folder): PREFIX-train-000000.tar, ...')
+  image_format = FLAGS.format or ('rgb' if FLAGS.cifar_dir else 'original')
+  if FLAGS.cifar_dir and image_format == 'original':
+    utils.die('--format original keeps the files of an --image_folder: CIFAR-10\'s release has '
+              'none; give --format rgb or png')
   try:
     supervisor.check_outputs(None, None, FLAGS.results_json)
     if FLAGS.cifar_dir:
-      train_images, train_labels, test_images, test_labels, classes = read_cifar_python(
-          FLAGS.cifar_dir)
+      splits, classes = cifar_splits(FLAGS.cifar_dir, image_format)
     else:
-      train_images, train_labels, test_images, test_labels, classes = read_image_folder(
-          FLAGS.image_folder)
+      splits, classes = folder_splits(FLAGS.image_folder, image_format)
   except (utils.UsageError, utils.BadDataError) as e:
     utils.die(e)
+  (train, train_samples), (test_name, test_samples) = splits.items()
   # Shuffled before sharding, so that every shard (and every replica's share of the
   # shards) holds all classes; each repetition in a new order.
   rng = random.Random(FLAGS.shuffle_seed)
   order = []
   for _ in range(FLAGS.repeat):
-    indices = list(range(len(train_labels)))
-    rng.shuffle(indices)
-    order += indices
+    order += rng.sample(range(len(train_samples)), len(train_samples))
+  test_order = (range(len(test_samples)) if FLAGS.cifar_dir else  # The release's own order.
+                rng.sample(range(len(test_samples)), len(test_samples)))
+  print(f'Writing {len(order):,} training samples shuffled with --shuffle_seed {FLAGS.shuffle_seed} '
+        f'and {len(test_samples):,} {test_name} samples, {image_format} images, '
+        f'{FLAGS.samples_per_shard} a shard, to {FLAGS.output}-*', flush=True)
   try:
     fs, path = fsspec.core.url_to_fs(FLAGS.output)
     fs.makedirs(os.path.dirname(path) or '.', exist_ok=True)
-    train = write_shards(train_images, train_labels, order, FLAGS.output + '-train-%06d.tar',
-                         FLAGS.samples_per_shard, FLAGS.format)
-    test = write_shards(test_images, test_labels, range(len(test_labels)),
-                        FLAGS.output + '-test-%06d.tar', FLAGS.samples_per_shard, FLAGS.format)
+    written = [write_shards((samples[i]() for i in indices), f'{FLAGS.output}-{split}-%06d.tar',
+                            FLAGS.samples_per_shard)
+               for split, samples, indices in ((train, train_samples, order),
+                                               (test_name, test_samples, test_order))]
+    utils.write_atomically('\n'.join(classes).encode() + b'\n', FLAGS.output + '-classes.txt')
+  except (utils.UsageError, utils.BadDataError) as e:  # An image that cannot be read.
+    utils.die(e)
   except OSError as e:  # No permission, a full disk, a file where a folder should be, ...
     utils.die(f'cannot write shards to --output {FLAGS.output} ({type(e).__name__}: {e}): give '
               'a place this job can write')
-  print(f'Classes: {" ".join(classes)}')
-  print(f'Wrote {len(order)} training samples in {len(train)} shards and {len(test_labels)} test '
-        f'samples in {len(test)} shards. Train with:')
-  data_flags = training_flags(len(train), len(order), len(test), len(test_labels))
+  print(f'Classes ({len(classes)}, in {FLAGS.output}-classes.txt): {" ".join(classes[:20])}'
+        + (' ...' if len(classes) > 20 else ''))
+  print(f'Wrote {len(order)} training samples in {len(written[0])} shards and {len(test_samples)} '
+        f'{test_name} samples in {len(written[1])} shards. Train with:')
+  data_flags = training_flags(test_name, len(written[0]), len(order), len(written[1]),
+                              len(test_samples), image_format)
   try:
     utils.write_results(FLAGS.results_json, dict(data_flags, classes=classes))
   except utils.UsageError as e:
     utils.die(e)
 
 
-def training_flags(train_shards, train_samples, test_shards, test_samples):
+def training_flags(test_name, train_shards, train_samples, test_shards, test_samples, image_format):
   """Prints the train_wds_cifar.py command that trains on these shards; returns its flags."""
   data_flags = dict(wds_traindir=brace_pattern(FLAGS.output, 'train', train_shards),
                     trainsize=train_samples,
-                    wds_testdir=brace_pattern(FLAGS.output, 'test', test_shards),
+                    wds_testdir=brace_pattern(FLAGS.output, test_name, test_shards),
                     testsize=test_samples)
   print('  python train_wds_cifar.py ' + ' '.join(
       f'--{name} "{value}"' if isinstance(value, str) else f'--{name} {value}'
       for name, value in data_flags.items()) +
       # Each loader worker of each replica reads shards of its own: few shards, fewer workers.
       (f' --num_workers {train_shards}' if train_shards < DEFAULT_LOADER_WORKERS else ''))
+  if image_format == 'original':
+    print('(It crops the images to --img_dim, 32 unless given: ImageNet trains at 224, with '
+          '--img_dim 224 --model resnet50)')
   if train_shards < 8 * DEFAULT_LOADER_WORKERS:  # Too few for 8 devices' default workers.
     print(f'(On several devices or hosts, replicas x --num_workers must be at most the number of '
           f'training shards, {train_shards}: for more, write smaller shards with --samples_per_shard)')
   return dict(data_flags, num_workers=min(train_shards, DEFAULT_LOADER_WORKERS))
+
 
 def run(argv):
   """This script from Python or a notebook cell: run(['--flag', value, ...]) returns the
@@ -218,4 +282,8 @@ if __name__ == '__main__':
   if utils.in_notebook():  # %run in a notebook: a command of its own, as run() starts it.
     run(sys.argv[1:])
   else:
-    app.run(main, flags_parser=utils.parse_flags)
+    try:
+      app.run(main, flags_parser=utils.parse_flags)
+    except KeyboardInterrupt:
+      utils.die(f'stopped by {utils.INTERRUPT}: the shards written are whole (one half-written is '
+                'removed); run the same command to write them all', utils.EXIT_INTERRUPTED)

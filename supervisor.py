@@ -24,6 +24,7 @@ starts a script on every worker of a pod.
 import collections
 import concurrent.futures
 import contextlib
+import itertools
 import logging
 import multiprocessing
 import numbers
@@ -356,11 +357,10 @@ def _info(url):
   return fs.info(path)
 
 
-def check_shards(flag, pattern, strict, decode, foreign):
+def check_shards(flag, pattern, strict):
   """A UsageError if no shard of the pattern exists (pipe: commands are not checked), or if
-  some do not and strict; else a warning line naming those that will be skipped; and if the
-  first sample is of another format: decode(sample) raises foreign. Returns the number of
-  shards the pattern names."""
+  some do not and strict; else a warning line naming those that will be skipped. Returns the
+  shards found (pipe: commands left out)."""
   urls = list(braceexpand.braceexpand(pattern))
   missing = [url for url in urls if not url.startswith('pipe:') and shard_missing(url)]
   if len(missing) == len(urls):
@@ -371,27 +371,26 @@ def check_shards(flag, pattern, strict, decode, foreign):
     if strict:
       raise utils.UsageError(f'{message}: fix the pattern, or drop --fail_on_bad_data to skip them')
     print(f'warning: {message}; they will be skipped', file=sys.stderr, flush=True)
-  first = next((url for url in urls if url not in missing and not url.startswith('pipe:')), None)
-  if first:
-    check_format(flag, first, decode, foreign)
-  return len(urls)
+  return [url for url in urls if url not in missing and not url.startswith('pipe:')]
 
 
-def check_format(flag, url, decode, foreign):
-  """A UsageError if the first sample of the shard is not of a kind this script reads: shards
-  of another format are one line at start, not a warning for every sample."""
+def check_format(flag, url, decode, foreign, count=16):
+  """A UsageError if one of the first `count` samples of the shard is not of a kind this
+  script reads (decode(sample) raises foreign): shards of another format, or labels past the
+  classes, are one line at start, not a warning for every sample."""
   try:
     with fsspec.open(url, 'rb') as stream:
       files = wds.tariterators.tar_file_expander([dict(url=url, stream=stream)])
-      sample = next(wds.tariterators.group_by_keys(files))
+      samples = list(itertools.islice(wds.tariterators.group_by_keys(files), count))
   except Exception:
     return  # No sample can be read: skipped with a warning (or fatal) when it is.
-  try:
-    decode(sample)
-  except foreign as e:
-    raise utils.UsageError(f'--{flag}: sample {sample["__key__"]} of {url} {e}') from None
-  except ValueError:
-    pass  # One corrupt sample: skipped with a warning (or fatal) when it is read.
+  for sample in samples:
+    try:
+      decode(sample)
+    except foreign as e:
+      raise utils.UsageError(f'--{flag}: sample {sample["__key__"]} of {url} {e}') from None
+    except ValueError:
+      pass  # One corrupt sample: skipped with a warning (or fatal) when it is read.
 
 
 # ------------------------------------------------------------------ the watch over the run

@@ -1,16 +1,25 @@
 # SPDX-License-Identifier: BSD-3-Clause
-"""Trains a ResNet on CIFAR-10 streamed from WebDataset tar shards, on every XLA device.
+"""Trains a ResNet on CIFAR-10, or ImageNet, streamed from WebDataset tar shards, on every
+XLA device.
 
-The shards (written by make_cifar_shards.py) are read from a local folder, http(s), gs://
-or any fsspec URL, or a pipe: command. As in the Cloud TPU WebDataset tutorial they are
-dealt out to the replicas of all hosts and to the loader workers of each replica, read
-sequentially and shuffled in memory; unlike it, every replica runs the same number of
-steps, the shard order changes every epoch, and every test sample is counted once.
+The shards (written by make_cifar_shards.py, or public ones with a jpg and a cls file per
+sample) are read from a local folder, http(s), gs:// or any fsspec URL, or a pipe: command.
+As in the Cloud TPU WebDataset tutorial and article they are dealt out to the replicas of all
+hosts and to the loader workers of each replica, read sequentially and shuffled in memory;
+unlike them, every replica runs the same number of steps, the shard order changes every
+epoch, and every test sample is counted once.
 
   python make_cifar_shards.py --cifar_dir data/cifar-10-batches-py --output shards/cifar
   python train_wds_cifar.py --trainsize 50000 --testsize 10000 \
       --wds_traindir 'shards/cifar-train-{000000..000049}.tar' \
       --wds_testdir 'shards/cifar-test-{000000..000009}.tar'
+
+ImageNet (its JPEGs as they are, in 640 shards; see docs/pods.md for a bucket and a pod):
+  python make_cifar_shards.py --image_folder imagenet --output shards/imagenet \
+      --samples_per_shard 2002
+  python train_wds_cifar.py --img_dim 224 --model resnet50 --trainsize 1281167 \
+      --wds_traindir 'shards/imagenet-train-{000000..000639}.tar' \
+      --wds_testdir 'shards/imagenet-val-{000000..000024}.tar'
 
 With --ckpt_dir, the same command started again goes on exactly where the last one stopped
 (the epoch's stream is rebuilt from (seed, epoch); trained batches are read, not used).
@@ -34,12 +43,20 @@ flags.DEFINE_string('wds_traindir', None, 'Training shards: a brace pattern of p
                     "'gs://bucket/cifar-train-{000000..000639}.tar'.")
 flags.DEFINE_string('wds_testdir', None, 'Test shards, the same way.')
 flags.DEFINE_integer('trainsize', None, 'Training samples in the shards (all of them).', lower_bound=1)
-flags.DEFINE_integer('testsize', None, 'Test samples in the shards (all of them).', lower_bound=1)
+flags.DEFINE_integer('testsize', None, 'Test samples in the shards (all of them): checked, a '
+                     'warning if the test shards hold another number.', lower_bound=1)
 flags.DEFINE_integer('shuffle_buffer', 10000, 'Samples each loader worker shuffles.', lower_bound=1)
 flags.DEFINE_bool('fail_on_bad_data', False, 'Stop at a bad shard or sample instead of skipping it.')
 flags.DEFINE_string('model', 'resnet18', 'A torchvision ResNet (resnet18, resnet50, resnext50_32x4d, '
                     'wide_resnet50_2, ...), given the CIFAR stem, or a name build_model knows.')
-flags.DEFINE_integer('num_classes', 10, 'Number of classes (labels 0..N-1).', lower_bound=2)
+flags.DEFINE_integer('num_classes', None, 'Number of classes (labels 0..N-1). Unset: the lines of '
+                     'PREFIX-classes.txt beside PREFIX-train-{...}.tar (make_cifar_shards.py '
+                     "writes it), else CIFAR-10's 10.", lower_bound=2)
+flags.DEFINE_integer('img_dim', 32, 'Side of the images the model gets. Images of this size are '
+                     'cropped from them padded by an eighth (CIFAR), others as ImageNet\'s recipe '
+                     'crops (RandomResizedCrop; evaluation: resize, centre crop). Up to 32: the '
+                     "CIFAR stem and CIFAR-10's mean and std; above (ImageNet: 224): the torchvision "
+                     "model as it is and ImageNet's.", lower_bound=8)
 flags.DEFINE_integer('num_cores', None, '1: one process, to debug (unset: one per local device).',
                      lower_bound=1, upper_bound=1)
 flags.DEFINE_integer('batch_size', 128, 'Training batch size of each replica.', lower_bound=1)
@@ -94,7 +111,6 @@ if (__name__ == '__main__' and 'IPython' not in sys.modules and
 import braceexpand
 import fsspec
 import numpy as np
-import PIL.Image
 import torch
 import torch.nn.functional as F
 import torch_xla
@@ -106,6 +122,7 @@ import torch_xla.runtime as xr
 import torch_xla.test.test_utils as test_utils
 import webdataset as wds
 from torch.utils.tensorboard import SummaryWriter
+from torchvision.transforms import v2
 
 import utils
 
@@ -119,18 +136,18 @@ except ModuleNotFoundError as e:
 # A notebook may import several scripts (the same flag names) or %run one again.
 utils.redefinable(FLAGS)
 
-# The shards: each sample is two tar members, KEY.rgb (the image as 3,072 raw bytes, 32x32x3
-# uint8, height x width x channel: decoded in about 1 us, a 32x32 PNG in about 50) and
-# KEY.cls (the label as ASCII digits), as make_cifar_shards.py writes them; or the image as
-# one of the other files a sample may hold, tried in this order: those webdataset's
-# ShardWriter writes from a PIL image, and numpy's.
+# The shards: each sample is an image file and KEY.cls (the label as ASCII digits). The image is
+# KEY.rgb (CIFAR-10 as make_cifar_shards.py writes it: 3,072 raw bytes, 32x32x3 uint8, height x
+# width x channel, decoded in about 1 us where a 32x32 PNG takes 50), or an image file as it was
+# (make_cifar_shards.py --image_folder: ImageNet's JPEGs; public WebDataset sets), or one that
+# webdataset's ShardWriter writes from a PIL image or a numpy array: tried in this order.
 IMAGE_KEYS = ('rgb', 'ppm', 'png', 'jpg', 'jpeg', 'webp', 'npy')
 PPM_HEADER = re.compile(rb'P6\s+(\d+)\s+(\d+)\s+255\s')  # 8-bit binary RGB, no comment.
-SIDE = 32  # CIFAR images are 32x32 RGB.
+RGB_SIDE = 32  # An rgb file is a 32x32 RGB image.
+CIFAR_CLASSES = 10  # Without --num_classes or a classes file beside the shards.
+CIFAR_SIDE = 32  # --img_dim up to this trains CIFAR's way (see build_model, normalized).
 # Flags of the image-folder scripts that a user may bring here.
-ELSEWHERE = {'img_dim': 'this script trains on 32x32 CIFAR images, as the shards hold them; '
-                        '--img_dim belongs to the image-folder scripts',
-             'datadir': 'give the shards with --wds_traindir and --wds_testdir (see '
+ELSEWHERE = {'datadir': 'give the shards with --wds_traindir and --wds_testdir (see '
                         'make_cifar_shards.py); --datadir belongs to the image-folder scripts',
              'fake_data': 'this script trains on shards; --fake_data belongs to the '
                           'image-folder scripts'}
@@ -142,48 +159,59 @@ class BadSample(ValueError):
 
 
 class ForeignSample(BadSample):
-  """A sample that is not one of a set this script can read (keys, image size)."""
+  """A sample that is not one of a set this script can read (its files, its label)."""
 
 
-def decode(sample):
-  """(image uint8 32x32x3, label) of a sample: the image from its rgb (3,072 raw bytes), ppm,
-  png, jpg, jpeg, webp (converted to RGB as PIL does) or npy (uint8 32x32x3) file, the label
-  from its cls file (ASCII digits: how ShardWriter writes an int). Shards of another image
-  format: add its file extension to IMAGE_KEYS and its decoding here."""
+def parse(sample, num_classes):
+  """(image file key, its bytes, label) of a sample as the tar holds it: the first file of
+  IMAGE_KEYS it has, the label from its cls file. Shards of another image format: add its
+  file extension to IMAGE_KEYS (and its decoding to decode)."""
   image_key = next((key for key in IMAGE_KEYS if key in sample), None)
   if image_key is None or 'cls' not in sample:
     found = ', '.join(sorted(key for key in sample if not key.startswith('__'))) or 'no file'
     raise ForeignSample(f'holds {found}, where an image ({", ".join(IMAGE_KEYS)}) and a label '
                         "(cls) are expected: write the shards with such keys, e.g. ShardWriter "
-                        "and {'ppm': PIL image, 'cls': int}, or with make_cifar_shards.py")
-  data = sample[image_key]
+                        "and {'jpg': image file bytes, 'cls': int}, or with make_cifar_shards.py")
+  try:
+    label = int(sample['cls'])
+  except ValueError:
+    raise BadSample(f'has a cls label that is not a number ({sample["cls"][:20]!r})') from None
+  if not 0 <= label < num_classes:
+    raise ForeignSample(f'has label {label}, past {num_classes} classes (labels 0 to '
+                        f'{num_classes - 1}): give --num_classes, the number of the shards\' '
+                        'classes (1000 for ImageNet)')
+  if image_key == 'rgb' and len(sample['rgb']) != RGB_SIDE * RGB_SIDE * 3:
+    raise BadSample(f'holds {len(sample["rgb"])} bytes of rgb, where a 32x32 image has 3,072')
+  return image_key, sample[image_key], label
+
+
+def decode(image_key, data):
+  """The image of an image file of a sample as a uint8 tensor (3 x H x W): rgb (raw 32x32x3
+  bytes) and npy (uint8 H x W x 3) by numpy, a plain ppm without PIL, the others (JPEG, PNG,
+  WebP, ...) as the image-folder scripts read files (utils.decode_image: libjpeg-turbo)."""
   try:
     if image_key == 'rgb':
-      image = np.frombuffer(data, np.uint8).reshape(SIDE, SIDE, 3)
+      image = np.frombuffer(data, np.uint8).reshape(RGB_SIDE, RGB_SIDE, 3)
     elif image_key == 'npy':
       image = np.load(io.BytesIO(data), allow_pickle=False)
+      if image.dtype != np.uint8 or image.ndim != 3 or image.shape[2] != 3:
+        raise ValueError(f'a {image.dtype} array of shape {image.shape}, not uint8 H x W x 3')
     elif image_key == 'ppm' and (header := PPM_HEADER.match(data)):  # Raw RGB: no PIL needed.
       width, height = int(header[1]), int(header[2])
       image = np.frombuffer(data, np.uint8, width * height * 3, header.end())
       image = image.reshape(height, width, 3)
     else:
-      with PIL.Image.open(io.BytesIO(data)) as pil:
-        image = np.asarray(pil.convert('RGB'))
-    label = int(sample['cls'])
-  except (ValueError, OSError, EOFError, SyntaxError) as e:  # What PIL and numpy raise.
-    raise BadSample(f'has no readable {image_key} image and cls label ({e!r})') from None
-  if image.shape != (SIDE, SIDE, 3) or image.dtype != np.uint8:
-    size = (f'{image.shape[1]}x{image.shape[0]}' if image.ndim == 3 and image.dtype == np.uint8
-            else f'a {image.dtype} array of shape {image.shape}')
-    raise ForeignSample(f'holds a {image_key} image of {size}: this script trains on 32x32 RGB '
-                        'images (uint8 arrays in npy); resize them when writing the shards')
-  return image, label
+      return utils.decode_image(data)
+  except (ValueError, OSError, EOFError) as e:  # What PIL and numpy raise.
+    raise BadSample(f'has no readable {image_key} image ({e})') from None
+  return torch.from_numpy(np.ascontiguousarray(image.transpose(2, 0, 1)))
 
 
-def read_samples(urls, on_bad):
-  """(image uint8 HWC, label) of every sample of the shards in turn. A shard that cannot be
-  opened or read to the end, or a sample without a readable image and label, is passed
-  to on_bad(message), which raises or counts it, and reading goes on."""
+def read_samples(urls, on_bad, num_classes):
+  """(where, image file key, its bytes, label) of every sample of the shards in turn, where
+  naming it in a message. A shard that cannot be opened or read to the end, or a sample
+  without an image file and a label, is passed to on_bad(message), which raises or counts
+  it, and reading goes on."""
   for url in urls:
     try:
       # A pipe: command (e.g. 'pipe:gsutil cat gs://bucket/shard.tar') or an fsspec URL.
@@ -192,10 +220,11 @@ def read_samples(urls, on_bad):
         whole = WholeTar(stream)
         files = wds.tariterators.tar_file_expander([dict(url=url, stream=whole)])
         for sample in wds.tariterators.group_by_keys(files):
+          where = f'sample {sample["__key__"]} of {url}'
           try:
-            yield decode(sample)
+            yield (where, *parse(sample, num_classes))
           except BadSample as e:
-            on_bad(f'sample {sample["__key__"]} of {url} {e}')
+            on_bad(f'{where} {e}')
         if whole.cut_short():
           on_bad(f'shard {url} cannot be read to the end (it ends inside a tar header, '
                  f'after {whole.size} bytes: the rest of it is lost)')
@@ -263,33 +292,52 @@ class BadData:
       print(f'warning: {message}; skipped{more}', file=sys.stderr, flush=True)
 
 
-def augment(images, rng):
-  """Random 32x32 crops of the images padded by 4 px and random horizontal flips, on a
-  whole uint8 batch (N, H, W, C) at once: no per-image PIL work on the host."""
-  n = len(images)
-  padded = np.pad(images, ((0, 0), (4, 4), (4, 4), (0, 0)))
-  top, left = rng.integers(0, 9, (2, n))
-  rows = top[:, None] + np.arange(SIDE)
-  cols = left[:, None] + np.arange(SIDE)
-  cols = np.where(rng.random(n)[:, None] < 0.5, cols[:, ::-1], cols)
-  return padded[np.arange(n)[:, None, None], rows[:, :, None], cols[:, None, :]]
+class Views:
+  """What the model gets of an image (uint8, 3 x H x W): side x side uint8, the images of a
+  batch all one shape. In training a random view: an image of that size already (CIFAR's
+  32x32) is cropped from it padded by an eighth (4 px at 32), any other is cropped and
+  resized as torchvision's ImageNet recipe does (RandomResizedCrop); then flipped or not. In
+  evaluation an image of that size as it is, any other resized to 256/224 of it and its
+  centre cropped (as the image-folder scripts do)."""
+
+  def __init__(self, side):
+    self.side, self.pad = side, side // 8
+    self.resized_crop = v2.RandomResizedCrop(side)
+    self.centre = v2.Compose([v2.Resize(side * 256 // 224), v2.CenterCrop(side)])
+
+  def train(self, image, draws):
+    """The view that draws (3 numbers in [0, 1) of this sample alone) choose: the same with or
+    without a resume, in any loader worker."""
+    if image.shape[-2:] == (self.side, self.side):
+      top, left = (int(draw * (2 * self.pad + 1)) for draw in draws[:2])  # A few us, in numpy.
+      view = F.pad(image, [self.pad] * 4)[:, top:top + self.side, left:left + self.side]
+    else:
+      with torch.random.fork_rng(devices=[]):  # v2's transforms draw from torch's RNG.
+        torch.manual_seed(int(draws[0] * 2**53))
+        view = self.resized_crop(image)
+    return view.flip(-1) if draws[2] < 0.5 else view
+
+  def eval(self, image):
+    return image if image.shape[-2:] == (self.side, self.side) else self.centre(image)
 
 
-def to_tensors(images, labels):
-  """uint8 NCHW images from an (N, H, W, C) array, and int64 labels."""
-  return (torch.from_numpy(np.ascontiguousarray(images.transpose(0, 3, 1, 2))),
-          torch.as_tensor(labels, dtype=torch.int64))
+def worker_share():
+  """(this loader worker, the number of them): (0, 1) without workers."""
+  info = torch.utils.data.get_worker_info()
+  return (info.id, info.num_workers) if info else (0, 1)
 
 
 class TrainShards(torch.utils.data.IterableDataset):
-  """This replica's shuffled, augmented batches of an epoch, `batches` of them (cfg gives
-  batch_size, shuffle_buffer, seed, fail_on_bad_data). A worker whose shards run out reads
-  them again until the epoch has its batches: every replica runs the same steps. The loader
-  workers live through the run (spawned by a replica, each costs seconds), so the epoch and
-  first step, and each worker's counts of bad data and re-read samples, are in shared memory."""
+  """This replica's shuffled training batches of an epoch, `batches` of them (cfg gives
+  batch_size, shuffle_buffer, img_dim, num_classes, seed, fail_on_bad_data). A worker whose
+  shards run out reads them again until the epoch has its batches: every replica runs the
+  same steps. The loader workers live through the run (spawned by a replica, each costs
+  seconds), so the epoch and first step, and each worker's counts of bad data and re-read
+  samples, are in shared memory."""
 
   def __init__(self, urls, rank, world_size, batches, cfg):
     self.urls, self.rank, self.world_size, self.batches, self.cfg = urls, rank, world_size, batches, cfg
+    self.views = Views(cfg.img_dim)
     self.epoch_and_step = torch.zeros(2, dtype=torch.int64).share_memory_()
     self.counts = torch.zeros(max(1, cfg.num_workers), 2, dtype=torch.int64).share_memory_()
 
@@ -311,21 +359,22 @@ class TrainShards(torch.utils.data.IterableDataset):
     return order[self.rank::self.world_size][worker::num_workers]
 
   def samples(self, shards, rng, on_bad):
-    """(image, label, pass) of the shards, pass after pass, each pass in a new shard order
-    and shuffled in a buffer of its own: every sample once before any twice. The buffer
-    sends a sample for every two it reads until full, starting once it holds a batch."""
+    """The samples of the shards (see read_samples) with the pass, pass after pass, each pass
+    in a new shard order and shuffled in a buffer of its own: every sample once before any
+    twice. The buffer holds them undecoded (ImageNet's JPEGs: 110 KB each, a tenth of their
+    pixels); it sends one for every two it reads until full, starting once it holds a batch."""
     for pass_number in itertools.count():
       shuffle = wds.shuffle(self.cfg.shuffle_buffer, initial=self.cfg.batch_size, rng=rng)
-      read, samples = 0, read_samples(rng.sample(shards, len(shards)), on_bad)
-      for image, label in shuffle(samples):
+      read = 0
+      for sample in shuffle(read_samples(rng.sample(shards, len(shards)), on_bad,
+                                         self.cfg.num_classes)):
         read += 1
-        yield image, label, pass_number
+        yield *sample, pass_number
       if read == 0:
         raise utils.BadDataError(f'no readable sample in shards {shards}')
 
   def __iter__(self):
-    info = torch.utils.data.get_worker_info()
-    worker, num_workers = (info.id, info.num_workers) if info else (0, 1)
+    worker, num_workers = worker_share()
     epoch, first_step = self.epoch_and_step.tolist()
     seed = self.cfg.seed
     bad = BadData(self.cfg.fail_on_bad_data, self.counts[:, 0], worker)
@@ -341,18 +390,70 @@ class TrainShards(torch.utils.data.IterableDataset):
     batches = wds.batched(self.cfg.batch_size, collation_fn=None, partial=False)(
         self.samples(self.shards(epoch, worker, num_workers), rng, bad))
     for number, batch in enumerate(itertools.islice(batches, share), 1):
-      images, labels, passes = zip(*batch)
-      self.counts[worker, 1] += sum(map(bool, passes))  # Samples of a second pass or later.
+      self.counts[worker, 1] += sum(sample[-1] > 0 for sample in batch)  # Read a second time.
       if number <= skip:
-        continue  # Trained before the resume: read, for the shuffle, but not sent.
-      # Crops from a generator of this batch alone: the same with or without a resume.
-      crops = np.random.default_rng([seed, epoch, self.rank, worker, number])
-      yield to_tensors(augment(np.stack(images), crops), labels)
+        continue  # Trained before the resume: read, for the shuffle, but not decoded or sent.
+      # Views drawn from a generator of this batch alone: the same with or without a resume.
+      draws = np.random.default_rng([seed, epoch, self.rank, worker, number]).random((len(batch), 3))
+      yield self.decoded(batch, draws, bad)
+
+  def decoded(self, batch, draws, on_bad):
+    """(images, labels) of a batch of samples, each image the training view of its draws. An
+    image that cannot be decoded goes to on_bad, and the batch's next readable sample takes
+    its place: a batch's samples, fixed before any decoding, are the same in a resumed run."""
+    views = []
+    for (where, image_key, data, label, _), sample_draws in zip(batch, draws):
+      try:
+        views.append((self.views.train(decode(image_key, data), sample_draws), label))
+      except BadSample as e:
+        on_bad(f'{where} {e}')
+        views.append(None)
+    readable = [view for view in views if view is not None]
+    if not readable:
+      raise utils.BadDataError(f'no image of a batch of {len(batch)} can be read (the first: '
+                               f'{batch[0][0]}): check the shards')
+    return collate([view or next((later for later in views[i + 1:] if later), readable[0])
+                    for i, view in enumerate(views)])
+
+
+class TestShards(torch.utils.data.IterableDataset):
+  """This replica's evaluation batches: the test shards dealt out to the replicas (replica r
+  takes every world_size-th from r) and on to their loader workers, each sample once, in
+  batches of test_set_batch_size; a worker's last batch is filled up with blank images of
+  label -1, which are not counted. A replica may run fewer batches than another: evaluation
+  waits for no other replica until its sums."""
+
+  def __init__(self, urls, rank, world_size, cfg):
+    self.urls, self.cfg, self.views = urls[rank::world_size], cfg, Views(cfg.img_dim)
+    self.counts = torch.zeros(max(1, cfg.num_workers), dtype=torch.int64).share_memory_()
+
+  def __iter__(self):
+    worker, num_workers = worker_share()
+    size = self.cfg.test_set_batch_size
+    bad = BadData(self.cfg.fail_on_bad_data, self.counts, worker)
+    batch = []
+    for where, image_key, data, label in read_samples(self.urls[worker::num_workers], bad,
+                                                      self.cfg.num_classes):
+      try:
+        batch.append((self.views.eval(decode(image_key, data)), label))
+      except BadSample as e:
+        bad(f'{where} {e}')
+      if len(batch) == size:
+        yield collate(batch)
+        batch = []
+    if batch:
+      yield collate(batch + [(torch.zeros_like(batch[0][0]), -1)] * (size - len(batch)))
+
+
+def collate(samples):
+  """(images, labels) of a batch from its (image, label) samples."""
+  images, labels = zip(*samples)
+  return torch.stack(images), torch.tensor(labels)
 
 
 def load_data(cfg, rank, world_size):
   """This replica's train loader (counted, capped at the epoch's steps) and test loader.
-  Every replica gets the same number of train and test batches."""
+  Every replica gets the same number of train batches."""
   train_urls = list(braceexpand.braceexpand(cfg.wds_traindir))
   test_urls = list(braceexpand.braceexpand(cfg.wds_testdir))
   feeders = world_size * max(1, cfg.num_workers)
@@ -366,49 +467,63 @@ def load_data(cfg, rank, world_size):
     raise utils.UsageError(f'--trainsize {cfg.trainsize} makes no batch of {cfg.batch_size} for '
                            f'each of {world_size} replicas: lower --batch_size')
   train_set = TrainShards(train_urls, rank, world_size, min(steps, cfg.num_steps or steps), cfg)
-  workers = dict(num_workers=cfg.num_workers, worker_init_fn=utils.ignore_stop_signals)
-  if cfg.num_workers:  # torch 2.9 raises on these without workers.
-    workers.update(persistent_workers=True, prefetch_factor=cfg.prefetch_factor)
-  train_loader = torch.utils.data.DataLoader(train_set, batch_size=None, **workers)
-  # The test set is small (10k CIFAR images are 30 MB): every replica reads it all, once,
-  # and evaluates its share, as the image-folder scripts do.
-  bad = BadData(cfg.fail_on_bad_data)
-  samples = list(read_samples(test_urls, bad))
-  if not samples:
-    raise utils.BadDataError(f'no readable sample in the test shards {cfg.wds_testdir}')
-  if bad.count:
-    print(f'Replica {rank}: skipped {bad.count} bad shards or samples of the test shards',
-          flush=True)
-  if len(samples) != cfg.testsize:
-    xm.master_print(f'warning: the test shards hold {len(samples)} samples, --testsize is '
-                    f'{cfg.testsize}', fd=sys.stderr)
-  images, labels = to_tensors(np.stack([image for image, _ in samples]), [l for _, l in samples])
-  test_set = utils.eval_share(list(zip(images, labels.tolist())), rank, world_size,
-                              cfg.test_set_batch_size)
-  test_loader = torch.utils.data.DataLoader(test_set, cfg.test_set_batch_size)
-  return (utils.EpochLoader(train_loader, train_set.batches, order=train_set),
-          utils.EpochLoader(test_loader, cfg.num_steps or sys.maxsize))
+  test_set = TestShards(test_urls, rank, world_size, cfg)
+
+  def loader(dataset, workers):
+    options = dict(num_workers=workers, worker_init_fn=utils.ignore_stop_signals)
+    if workers:  # torch 2.9 raises on these without workers.
+      options.update(persistent_workers=True, prefetch_factor=cfg.prefetch_factor)
+    return torch.utils.data.DataLoader(dataset, batch_size=None, **options)
+
+  # Test shards are fewer: a worker for each of this replica's, up to --num_workers.
+  return (utils.EpochLoader(loader(train_set, cfg.num_workers), train_set.batches,
+                            order=train_set),
+          utils.EpochLoader(loader(test_set, min(cfg.num_workers, len(test_set.urls))),
+                            cfg.num_steps or sys.maxsize))
+
+
+def shard_classes(pattern):
+  """The class names of the classes file that make_cifar_shards.py writes beside the shards
+  (PREFIX-classes.txt for PREFIX-train-{...}.tar, a name a line), or None if there is none."""
+  name, found = re.subn(r'-train-[^/]*$', '-classes.txt', pattern)
+  if not found or name.startswith('pipe:'):
+    return None
+  try:
+    with fsspec.open(name, 'r') as f:
+      return [line.strip() for line in f if line.strip()]
+  except FileNotFoundError:
+    return None
+  except OSError as e:
+    raise utils.UsageError(f'cannot read {name} ({e}): check it, or give --num_classes') from None
 
 
 # ------------------------------------------------------------------------ your model
 def build_model(cfg, num_classes):
-  """The model to train: a torch.nn.Module from a float batch (N, 3, 32, 32) to logits (N,
-  num_classes); the shards' uint8 images are normalised in the step, on the device
-  (utils.normalize, CIFAR-10's mean and std). Here: the torchvision ResNet --model names,
-  with the CIFAR stem. Put yours here; a --model name of your own is then accepted. Images
-  of another format or size: the place is decode. Called in main, to check, and in every
-  replica."""
+  """The model to train: a torch.nn.Module from a float batch (N, 3, img_dim, img_dim) to
+  logits (N, num_classes); the shards' uint8 images are normalised in the step, on the
+  device (see normalized). Here: the torchvision ResNet --model names, at CIFAR's 32 px and
+  below with the CIFAR stem. Put yours here; a --model name of your own is then accepted.
+  Images of another format: the place is parse and decode. Called in main, to check, and in
+  every replica."""
   if not cfg.model.startswith(('resnet', 'resnext', 'wide_resnet')):
     raise utils.UsageError(f'--model {cfg.model} is not a torchvision ResNet (resnet18, resnet50, '
                            'resnext50_32x4d, ...): name one, or build yours in build_model')
-  return cifar_resnet(cfg.model, num_classes)
+  model = utils.create_model(cfg.model, num_classes)
+  return cifar_stem(model) if cfg.img_dim <= CIFAR_SIDE else model
 
 
-def cifar_resnet(name, num_classes):
+def normalized(images, img_dim):
+  """A batch of uint8 images as the model takes them, in the step's graph: by CIFAR-10's mean
+  and std at its 32 px and below, ImageNet's above."""
+  if img_dim <= CIFAR_SIDE:
+    return utils.normalize(images, utils.CIFAR_MEAN, utils.CIFAR_STD)
+  return utils.normalize(images, utils.IMAGENET_MEAN, utils.IMAGENET_STD)
+
+
+def cifar_stem(model):
   """A torchvision ResNet with the usual CIFAR stem: a 3x3 stride-1 first convolution and
   no max-pool. The ImageNet stem (7x7 stride 2, then a max-pool) would shrink 32x32
   images to 8x8 before the first block and cost accuracy."""
-  model = utils.create_model(name, num_classes)
   model.conv1 = torch.nn.Conv2d(3, model.conv1.out_channels, 3, 1, 1, bias=False)
   torch.nn.init.kaiming_normal_(model.conv1.weight, mode='fan_out', nonlinearity='relu')
   model.maxpool = torch.nn.Identity()
@@ -444,15 +559,14 @@ def start_run(cfg, steps_per_epoch, stop_signal):
   return run
 
 
-def train_step(model, optimizer, scheduler, images, labels, amp):
+def train_step(model, optimizer, scheduler, images, labels, cfg):
   optimizer.zero_grad()
   # --amp: convolutions and matmuls in bfloat16, weights, optimizer and reductions in float32
   # (bfloat16 has float32's range: no gradient scaler).
-  with torch.autocast('xla', dtype=torch.bfloat16, enabled=amp):
+  with torch.autocast('xla', dtype=torch.bfloat16, enabled=cfg.amp):
     # The images come as uint8 and are normalised here, on the device: a quarter of float32's
     # bytes cross from the host.
-    loss = F.cross_entropy(model(utils.normalize(images, utils.CIFAR_MEAN, utils.CIFAR_STD)),
-                           labels)
+    loss = F.cross_entropy(model(normalized(images, cfg.img_dim)), labels)
   loss.backward()
   xm.optimizer_step(optimizer)  # All-reduces the gradients over every replica, then steps.
   if scheduler is not None:
@@ -468,7 +582,7 @@ def train_one_epoch(run, loader, epoch, first_step):
   steps = 0
   for step, (images, labels) in enumerate(loader, first_step):
     with xp.StepTrace('train_step', step_num=step):  # Named steps in a profile; ends in a sync.
-      loss = train_step(run.model, run.optimizer, run.scheduler, images, labels, cfg.amp)
+      loss = train_step(run.model, run.optimizer, run.scheduler, images, labels, cfg)
       tracker.add(cfg.batch_size)
       if step % cfg.log_steps == 0:
         xm.add_step_closure(run.log.add, args=(epoch, step, run.global_step, loss, tracker,
@@ -486,14 +600,14 @@ def train_one_epoch(run, loader, epoch, first_step):
   return steps, False
 
 
-def evaluate(model, loader, amp):
+def evaluate(model, loader, cfg):
   """(accuracy %, correct, total) over all replicas; padding (label -1) is not counted."""
   model.eval()
   # Counted on the device and read once at the end: an .item() per step would sync.
   counts = torch.zeros(2, dtype=torch.int64, device=torch_xla.device())
-  with torch.no_grad(), torch.autocast('xla', dtype=torch.bfloat16, enabled=amp):
+  with torch.no_grad(), torch.autocast('xla', dtype=torch.bfloat16, enabled=cfg.amp):
     for images, labels in loader:
-      logits = model(utils.normalize(images, utils.CIFAR_MEAN, utils.CIFAR_STD))
+      logits = model(normalized(images, cfg.img_dim))
       hits = (logits.argmax(dim=1) == labels).sum()
       counts += torch.stack([hits, (labels >= 0).sum()])
   # Sums, not a mean of replica accuracies: replicas may hold different numbers of images.
@@ -585,8 +699,9 @@ def train(cfg, stop_signal):
       results['epoch_rates'] += [rate] if steps else []
       xm.master_print(f'Epoch {epoch} train end {test_utils.now()}, Reduced GlobalRate={rate:.2f}',
                       flush=True)
-      accuracy, *counts = evaluate(run.model, test_device_loader, cfg.amp)
+      accuracy, *counts = evaluate(run.model, test_device_loader, cfg)
       test_loader.check()
+      count_test_data(cfg, int(test_loader.loader.dataset.counts.sum()), counts[1], epoch, rank)
       xm.master_print(f'Epoch {epoch} test end {test_utils.now()}, Accuracy={accuracy:.2f}',
                       flush=True)
       stop, saved = end_epoch(run, epoch, accuracy, counts)
@@ -609,6 +724,16 @@ def count_data(results, counts, epoch, rank):
     print(f'Epoch {epoch} Replica {rank}: skipped {bad} bad shards or samples', flush=True)
 
 
+def count_test_data(cfg, bad, total, epoch, rank):
+  """Says the bad test data skipped in an epoch, and a --testsize that is not what was read."""
+  if bad:  # Not in the results: they count training data.
+    print(f'Epoch {epoch} Replica {rank}: skipped {bad} bad shards or samples of the test shards',
+          flush=True)
+  if cfg.testsize and total != cfg.testsize and not cfg.num_steps and epoch == 1:
+    xm.master_print(f'warning: the test shards hold {total} readable samples, --testsize is '
+                    f'{cfg.testsize}', fd=sys.stderr)
+
+
 def _mp_fn(index, flag_values):
   """One replica. flag_values is a plain dict: absl's FLAGS do not cross the spawn."""
   del index  # The global ordinal comes from the runtime.
@@ -625,19 +750,25 @@ def main(argv):
   del argv
   cfg = SimpleNamespace(**FLAGS.flag_values_dict())
   utils.set_precision(cfg.amp, cfg.bf16)  # Before the runtime starts.
-  if supervisor:  # Checked here, once, before any replica starts: bad input is one line, not N.
-    try:
+  try:
+    if supervisor:  # Checked here, once, before any replica starts: bad input is one line, not N.
       cfg.num_workers = supervisor.usable_workers(cfg.num_workers, FLAGS['num_workers'].present)
-      shards = [supervisor.check_shards(flag, getattr(cfg, flag), cfg.fail_on_bad_data, decode,
-                                        ForeignSample) for flag in ('wds_traindir', 'wds_testdir')]
-      print(f'Data: {cfg.trainsize:,} training samples in {shards[0]} shards and {cfg.testsize:,} '
-            f'evaluation samples in {shards[1]}, 3x{SIDE}x{SIDE} uint8, {cfg.num_classes} classes')
+      found = {flag: supervisor.check_shards(flag, getattr(cfg, flag), cfg.fail_on_bad_data)
+               for flag in ('wds_traindir', 'wds_testdir')}
+    classes = None if cfg.num_classes else shard_classes(cfg.wds_traindir)
+    cfg.num_classes = cfg.num_classes or (len(classes) if classes else CIFAR_CLASSES)
+    if supervisor:
+      for flag, urls in found.items():
+        if urls:
+          supervisor.check_format(flag, urls[0], lambda sample: decode(*parse(
+              sample, cfg.num_classes)[:2]), ForeignSample)
+      print(describe_data(cfg, classes))
       print(supervisor.describe_model(cfg.model, build_model(cfg, cfg.num_classes), cfg.num_classes))
       given = {name for name in FLAGS if FLAGS[name].present}
       print(supervisor.describe_recipe(cfg, supervisor.recipe_source(given, None, {})), flush=True)
       supervisor.check_outputs(cfg.ckpt_dir, cfg.logdir, cfg.results_json, cfg.compile_cache_dir)
-    except utils.UsageError as e:
-      utils.die(e)
+  except utils.UsageError as e:
+    utils.die(e)
   launcher = utils.spawns_replicas(single_process=cfg.num_cores == 1)  # Not under torchrun.
   print('Starting ' + ('one replica per local XLA device' if launcher else 'one replica (--num_cores 1)'
                        if cfg.num_cores == 1 else 'the replica of this torchrun worker') + ' ...',
@@ -646,6 +777,18 @@ def main(argv):
   with (supervisor.watched(launcher, saving=bool(cfg.ckpt_dir)) if supervisor else
         utils.stop_on_signals(launcher)):
     torch_xla.launch(_mp_fn, args=(vars(cfg),), debug_single_process=cfg.num_cores == 1)
+
+
+def describe_data(cfg, classes):
+  """The Data line: what the run trains on."""
+  train, test = (len(list(braceexpand.braceexpand(pattern)))
+                 for pattern in (cfg.wds_traindir, cfg.wds_testdir))
+  test_samples = f'{cfg.testsize:,} evaluation samples' if cfg.testsize else 'the evaluation samples'
+  source = ('--num_classes' if FLAGS['num_classes'].present else
+            'the classes file beside the training shards' if classes else
+            "CIFAR-10's; give --num_classes for other shards")
+  return (f'Data: {cfg.trainsize:,} training samples in {train} shards and {test_samples} in '
+          f'{test}, at 3x{cfg.img_dim}x{cfg.img_dim} uint8, {cfg.num_classes} classes ({source})')
 
 
 def run(argv):
@@ -660,7 +803,7 @@ if __name__ == '__main__':
     run(sys.argv[1:])
   else:
     # Here, not at import: the benchmarks and tests import this file without these flags.
-    flags.mark_flags_as_required(['wds_traindir', 'trainsize', 'wds_testdir', 'testsize'])
+    flags.mark_flags_as_required(['wds_traindir', 'trainsize', 'wds_testdir'])
     app.run(main, flags_parser=lambda argv: utils.parse_flags(argv, ELSEWHERE))
 elif __name__ == '__mp_main__':
   # A replica imports this file in its main thread, the only one that may catch a signal.

@@ -147,32 +147,40 @@ def create_model(name, num_classes):
 
 
 def load_image(path):
-  """The image at path as a uint8 RGB tensor (3 x H x W): a JPEG by torchvision's decoder
-  (libjpeg-turbo, no PIL image on the way), any other file (PNG, ...) by PIL, 16-bit grey
-  scaled to 8 bits; a corrupt file, or pixels whose range is unknown, name the file in one
-  line instead of a traceback or a wrong image."""
+  """The image file at path as a uint8 RGB tensor (3 x H x W), by decode_image; a corrupt
+  file, or pixels whose range is unknown, name the file in one line instead of a traceback."""
   try:
     with open(path, 'rb') as f:
-      data = f.read()
-    if data[:3] == b'\xff\xd8\xff':
-      try:
-        return decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8),
-                           mode=ImageReadMode.RGB)
-      except RuntimeError:
-        pass  # PIL reads some that libjpeg refuses here, and says what is wrong with the rest.
+      return decode_image(f.read())
+  except (OSError, ValueError) as e:
+    raise BadDataError(f'cannot read image {path} ({e}): replace or remove the file') from None
+
+
+def decode_image(data):
+  """The image file's bytes as a uint8 RGB tensor (3 x H x W): a JPEG by torchvision's decoder
+  (libjpeg-turbo, no PIL image on the way), any other (PNG, WebP, ...) by PIL, 16-bit grey
+  scaled to 8 bits. A ValueError says why it cannot: a truncated or unknown file, pixels of
+  no known range."""
+  if data[:3] == b'\xff\xd8\xff':
+    try:
+      return decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8),
+                         mode=ImageReadMode.RGB)
+    except RuntimeError:
+      pass  # PIL reads some that libjpeg refuses here, and says what is wrong with the rest.
+  try:
     with Image.open(io.BytesIO(data)) as image:
       if image.mode.startswith('I;16') or (image.mode == 'I' and image.format == 'PNG'):
         # PIL's convert('RGB') clips 16-bit values at 255: most pixels would come out white.
         grey = (np.asarray(image).astype(np.uint32) + 128) // 257
         return torch.from_numpy(grey.astype(np.uint8)).expand(3, -1, -1).clone()
       if image.mode in ('I', 'F'):
-        raise BadDataError(f'cannot read image {path} ({image.mode} mode: 32-bit pixels of no '
-                           'known range): save it with 8- or 16-bit pixels')
+        raise ValueError(f'{image.mode} mode: 32-bit pixels of no known range; save it with 8- '
+                         'or 16-bit pixels')
       return v2.functional.pil_to_tensor(image.convert('RGB'))
-  except (OSError, ValueError) as e:  # Truncated files, PIL.UnidentifiedImageError, a mode
-    # PIL cannot make RGB.
-    why = 'not an image file' if isinstance(e, Image.UnidentifiedImageError) else e
-    raise BadDataError(f'cannot read image {path} ({why}): replace or remove the file') from None
+  except Image.UnidentifiedImageError:
+    raise ValueError('not an image file') from None
+  except OSError as e:  # Truncated files; a mode PIL cannot make RGB is a ValueError.
+    raise ValueError(str(e)) from None
 
 
 def normalize(images, mean=IMAGENET_MEAN, std=IMAGENET_STD):

@@ -128,9 +128,9 @@ def cifar_shards(root, train, test):
   for split, count in (('train', train), ('test', test)):
     images = rng.integers(0, 256, (count, 32, 32, 3), dtype=np.uint8)
     labels = rng.integers(0, 10, count)
-    urls = make_cifar_shards.write_shards(images, labels, range(count),
-                                     str(root / f'cifar-{split}-%06d.tar'),
-                                     samples_per_shard=max(1, count // 8))
+    urls = make_cifar_shards.write_shards(
+        ((*make_cifar_shards.encode(image, 'rgb'), label) for image, label in zip(images, labels)),
+        str(root / f'cifar-{split}-%06d.tar'), samples_per_shard=max(1, count // 8))
     patterns.append(f'{root}/cifar-{split}-{{000000..{len(urls) - 1:06d}}}.tar')
   return patterns
 

@@ -237,11 +237,23 @@ SHARD_WRITER_MISTAKES = {
     'output is a folder': (lambda tmp: ['--cifar_dir', make_cifar_python(tmp / 'c', 4, 4),
                                         '--output', f'{tmp}/shards/'],
                            r'give --output PREFIX.*\(not a folder\)'),
-    'image folder without test': (
+    'image folder without val': (
         lambda tmp: ['--image_folder', make_image_folder(tmp / 'f', 'train', 1),
                      '--output', tmp / 's'],
-        r'\S+/f/test is not a folder: \S+/f needs train and test'),
+        r'\S+/f/val is not a folder: \S+/f needs train and val \(or test\)'),
+    'a file that is not an image': (
+        lambda tmp: ['--image_folder', not_an_image(make_image_folder(tmp / 'f', 'train', 1)),
+                     '--output', tmp / 's'],
+        r'^error: cannot read image \S+/f/val/red/notes\.png \(not an image file\): replace or '
+        r'remove the file$'),
 }
+
+
+def not_an_image(folder):
+  """The folder with a val split whose red class holds a text file named .png."""
+  make_image_folder(folder, 'val', 1)
+  (folder / 'val' / 'red' / 'notes.png').write_text('not an image')
+  return folder
 
 
 @pytest.mark.parametrize('case', SHARD_WRITER_MISTAKES)

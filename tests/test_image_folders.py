@@ -89,7 +89,8 @@ def test_32_bit_pixels_of_no_known_range_are_one_line_naming_the_file(tmp_path, 
   with pytest.raises(utils.BadDataError) as error:
     utils.load_image(path)
   assert re.fullmatch(rf'cannot read image {re.escape(str(path))} \([IF] mode: 32-bit pixels of no '
-                      r'known range\): save it with 8- or 16-bit pixels', str(error.value)), error.value
+                      r'known range; save it with 8- or 16-bit pixels\): replace or remove the file',
+                      str(error.value)), error.value
 
 
 def test_folders_give_uint8_crops_seeded_per_sample(tmp_path):

@@ -76,9 +76,26 @@ def test_bf16_flag_trains_in_bf16(tmp_path):
   assert len(trace) == 12 and trace[-1] < trace[0] / 2
 
 
-@pytest.mark.parametrize('precision', [[], ['--amp']], ids=['float32', 'amp'])
-def test_learns_counts_every_val_image_once_and_compiles_only_in_epoch_1(tmp_path, colour_folder,
-                                                                         precision):
+def test_amp_flag_autocasts_the_convolutions_and_keeps_weights_and_state_in_float32(tmp_path):
+  # --amp is torch.autocast('xla', bfloat16): the convolutions (forward and backward) in
+  # bf16, the weights, their update and the optimizer state in f32.
+  flags = ['--fake_data', '--model', 'resnet18', '--img_dim', 32, '--batch_size', 16,
+           '--test_set_batch_size', 16, '--num_epochs', 1, '--num_steps', 12, '--log_steps', 1,
+           '--amp', '--ckpt_dir', tmp_path / 'ckpt', '--results_json', tmp_path / 'r.json']
+  result = run_script(SCRIPT, *flags, env=hlo_dump_env(tmp_path))
+  assert result.returncode == 0, result.stderr
+  assert convolution_types(tmp_path) == {'bf16'}
+  results = read_json(tmp_path / 'r.json')
+  assert results['amp'] and not results['bf16']
+  trace = losses(result.stdout)
+  assert len(trace) == 12 and trace[-1] < trace[0] / 2
+  state = torch.load(tmp_path / 'ckpt' / 'ckpt-00000012.pt', weights_only=True)
+  floats = [t for t in state['model'].values() if t.is_floating_point()] + [
+      s['momentum_buffer'] for s in state['optimizer']['state'].values()]
+  assert floats and {t.dtype for t in floats} == {torch.float32}
+
+
+def test_learns_counts_every_val_image_once_and_compiles_only_in_epoch_1(tmp_path, colour_folder):
   # 21 val images with --test_set_batch_size 4: five full batches and one of a single image.
   # One of them is a red image filed under green, which a model that learned the colours
   # gets wrong: the exact accuracy is 20/21, and any padding or dropped image changes it.
@@ -91,7 +108,7 @@ def test_learns_counts_every_val_image_once_and_compiles_only_in_epoch_1(tmp_pat
                       '--batch_size', 16, '--test_set_batch_size', 4, '--num_epochs', 3,
                       '--lr', 0.005, '--num_workers', 2, '--log_steps', 5,
                       '--target_accuracy', 99, '--ckpt_dir', tmp_path / 'ckpt',
-                      '--results_json', tmp_path / 'r.json', *precision, env=hlo_dump_env(tmp_path))
+                      '--results_json', tmp_path / 'r.json', env=hlo_dump_env(tmp_path))
   # Below --target_accuracy 99: upstream's exit code.
   assert result.returncode == 21, result.stdout[-3000:] + result.stderr
   assert 'is below target' in result.stdout
@@ -116,14 +133,8 @@ def test_learns_counts_every_val_image_once_and_compiles_only_in_epoch_1(tmp_pat
   inputs = batch_parameters(tmp_path)
   assert {'u8[16,3,32,32]', 'u8[4,3,32,32]'} <= inputs and not {
       'f32[16,3,32,32]', 'f32[4,3,32,32]'} & inputs, inputs
-  # --amp is torch.autocast('xla', bfloat16): the convolutions (forward and backward) in
-  # bf16, the weights, their update and the optimizer state in f32.
-  assert convolution_types(tmp_path) == ({'bf16'} if precision else {'f32'})
-  assert results['amp'] == bool(precision) and not results['bf16']
-  state = torch.load(tmp_path / 'ckpt' / 'ckpt-00000048.pt', weights_only=True)
-  floats = [t for t in state['model'].values() if t.is_floating_point()] + [
-      s['momentum_buffer'] for s in state['optimizer']['state'].values()]
-  assert floats and {t.dtype for t in floats} == {torch.float32}
+  assert convolution_types(tmp_path) == {'f32'}  # Without --amp or --bf16: float32.
+  assert not results['amp'] and not results['bf16']
 
 
 def test_a_loss_at_chance_level_all_epoch_names_the_lr_and_goes_on(tmp_path):
