@@ -25,6 +25,7 @@ another format (BMP, TIFF, ...) is stored as a lossless PNG.
       --samples_per_shard 2002   # The article's 640 training shards.
 """
 
+import contextlib
 import functools
 import io
 import itertools
@@ -35,6 +36,8 @@ import sys
 import tarfile
 
 import fsspec
+import fsspec.implementations.local
+import fsspec.spec
 import numpy as np
 import PIL.Image
 from absl import app, flags
@@ -93,21 +96,42 @@ def write_shards(samples, pattern, samples_per_shard):
   key = 0
   while shard := list(itertools.islice(samples, samples_per_shard)):
     url = pattern % len(urls)
-    fs, path = fsspec.core.url_to_fs(url)
-    # Written under a temporary name, then moved: a reader never sees half a shard.
-    try:
-      with fs.open(path + '.tmp', 'wb') as f, tarfile.open(fileobj=f, mode='w',
-                                                          format=tarfile.USTAR_FORMAT) as tar:
-        for image_key, data, label in shard:
-          add_member(tar, f'{key:08d}.{image_key}', data)
-          add_member(tar, f'{key:08d}.cls', str(int(label)).encode())
-          key += 1
-      fs.mv(path + '.tmp', path)
-    finally:
-      if fs.exists(path + '.tmp'):  # Stopped (Ctrl-C, a full disk): nothing half-written is left.
-        fs.rm(path + '.tmp')
+    with written_whole(url) as f, tarfile.open(fileobj=f, mode='w',
+                                               format=tarfile.USTAR_FORMAT) as tar:
+      for image_key, data, label in shard:
+        add_member(tar, f'{key:08d}.{image_key}', data)
+        add_member(tar, f'{key:08d}.cls', str(int(label)).encode())
+        key += 1
     urls.append(url)
   return urls
+
+
+@contextlib.contextmanager
+def written_whole(url):
+  """A file to write to url that no reader sees half-written: a local file is written under a
+  temporary name, then moved (and removed if the writing stops: Ctrl-C, a full disk); a
+  bucket shows an object only once its upload is whole."""
+  fs, path = fsspec.core.url_to_fs(url)
+  local = isinstance(fs, fsspec.implementations.local.LocalFileSystem)
+  temporary = path + '.tmp' if local else path
+  if local:
+    fs.makedirs(fs._parent(path), exist_ok=True)
+  try:
+    f = fs.open(temporary, 'wb')
+    try:
+      yield f
+    except BaseException:
+      if isinstance(f, fsspec.spec.AbstractBufferedFile):  # A bucket's upload (gcsfs, s3fs):
+        f.discard()  # dropped, where closing would commit what was written.
+        f.closed = True
+      raise
+    finally:
+      f.close()
+    if local:
+      fs.mv(temporary, path)
+  finally:
+    if local and fs.exists(temporary):
+      fs.rm(temporary)
 
 
 def brace_pattern(prefix, split, count):
@@ -233,7 +257,8 @@ def main(argv):
                             FLAGS.samples_per_shard)
                for split, samples, indices in ((train, train_samples, order),
                                                (test_name, test_samples, test_order))]
-    utils.write_atomically('\n'.join(classes).encode() + b'\n', FLAGS.output + '-classes.txt')
+    with written_whole(FLAGS.output + '-classes.txt') as f:
+      f.write('\n'.join(classes).encode() + b'\n')
   except (utils.UsageError, utils.BadDataError) as e:  # An image that cannot be read.
     utils.die(e)
   except OSError as e:  # No permission, a full disk, a file where a folder should be, ...

@@ -1,11 +1,21 @@
 # SPDX-License-Identifier: BSD-3-Clause
-"""Host input pipelines: photos for the image-folder scripts, 32x32 images for the shards.
+"""Host input pipelines: photos from image folders and from shards, 32x32 images from shards.
 
 Photos: images/s and bytes per batch of the image-folder scripts' training pipeline
 (train_single_core.build_datasets: torchvision's JPEG decoder, crop and flip on uint8 tensors, each
 sample seeded as the scripts seed it) against upstream's (PIL, RandomResizedCrop, flip,
 ToTensor and Normalize on the host), at 224 px, over JPEG photos of 500x375 (ImageNet's
 usual size) cut from matplotlib's sample photo and re-encoded: nothing is downloaded.
+
+Photos from files and from shards (issue 41): images/s per core of the same photos, ops
+and seeds (decode, RandomResizedCrop to 224, flip, uint8) read A: from the image folder in a
+random order (the image-folder scripts' loader), B: from tar shards on the local disk written
+as make_cifar_shards.py --image_folder writes them, C: from the same shards over HTTP (a
+ThreadingHTTPServer on 127.0.0.1) and from gs:// (a GCS emulator on 127.0.0.1, if
+gcp-storage-emulator is installed; gcsfs with no credentials), B and C by
+train_wds_cifar.TrainShards; with the page cache warm, and cold (dropped before each pass:
+root only). The servers run in processes of their own, their CPU time apart from the
+loader's. Then what each step costs a photo: file or tar reading, decode, crop.
 
 32x32: samples/s of train_wds_cifar.py's shard pipeline, over shards of each image format
 it reads, against torchvision ImageFolder over the same images as loose PNG files.
@@ -15,24 +25,32 @@ padding, horizontal flip, batch. ImageFolder also converts to float and normalis
 host, as the usual torchvision pipeline does; the shard pipeline leaves both to the device
 and sends uint8. The shards: raw bytes and PNG as make_cifar_shards.py writes them
 (--format rgb, png), PPM as the Cloud TPU WebDataset tutorial writes them (webdataset's
-ShardWriter and PIL images). Prints a markdown table.
+ShardWriter and PIL images). Prints markdown tables, a row as soon as it is measured.
 
-  python benchmarks/input_pipeline.py            # 10,000 images, about 5 minutes
-  python benchmarks/input_pipeline.py --quick    # 1,000 images, a smoke test
+  python benchmarks/input_pipeline.py            # about 4 minutes on 2 cores
+  python benchmarks/input_pipeline.py --quick    # fewer images, no gs:// rows: a smoke test
 
 --batch_size (128) is train_wds_cifar.py's flag, and also the photos' batch (the
 image-folder scripts' default).
 """
 
+import functools
+import http.server
 import io
+import itertools
+import multiprocessing
 import os
 import pathlib
 import platform
+import random
+import re
+import socket
 import sys
 import tempfile
 import time
 from types import SimpleNamespace
 
+import fsspec
 import matplotlib.cbook
 import numpy as np
 import torch
@@ -46,6 +64,11 @@ import make_cifar_shards  # noqa: E402
 import train_single_core  # noqa: E402
 import train_wds_cifar  # noqa: E402
 import utils  # noqa: E402
+
+try:  # The gs:// rows: a GCS emulator that runs offline (pip install gcp-storage-emulator).
+  import gcp_storage_emulator.server as gcs_emulator
+except ImportError:
+  gcs_emulator = None
 
 FLAGS = flags.FLAGS
 flags.DEFINE_bool('quick', False, '1,000 images and one pass: checks that the benchmark runs.')
@@ -83,20 +106,26 @@ def make_photos(root, count, classes=4):
   return np.mean([path.stat().st_size for path in (root / 'train').glob('*/*.jpg')])
 
 
-def photo_loaders(root, workers, seed=0):
+def photo_loaders(root, workers):
   """{pipeline: a DataLoader of 224 px training batches} for upstream's and ours."""
   T = torchvision.transforms
   upstream = torchvision.datasets.ImageFolder(root / 'train', T.Compose([
       T.RandomResizedCrop(224), T.RandomHorizontalFlip(), T.ToTensor(),
       T.Normalize(utils.IMAGENET_MEAN, utils.IMAGENET_STD)]))
-  ours = train_single_core.build_datasets(SimpleNamespace(datadir=str(root), img_dim=224))[0]
-  options = dict(batch_size=FLAGS.batch_size, num_workers=workers, drop_last=True,
-                 persistent_workers=workers > 0)
-  sampler = utils.EpochSampler(ours, 0, 1, seed, FLAGS.batch_size)
   return {'upstream: PIL, ToTensor, Normalize (float32)': torch.utils.data.DataLoader(
-              upstream, shuffle=True, **options),
-          'ours: torchvision.io, uint8': torch.utils.data.DataLoader(
-              utils.SeededSamples(ours), sampler=sampler, **options)}
+              upstream, FLAGS.batch_size, shuffle=True, num_workers=workers, drop_last=True,
+              persistent_workers=workers > 0),
+          'ours: torchvision.io, uint8': folder_loader(root, workers)}
+
+
+def folder_loader(root, workers, seed=0):
+  """The image-folder scripts' training loader of root/train at 224 px: files in a random
+  order (utils.EpochSampler), each sample seeded (utils.SeededSamples)."""
+  ours = train_single_core.build_datasets(SimpleNamespace(datadir=str(root), img_dim=224))[0]
+  sampler = utils.EpochSampler(ours, 0, 1, seed, FLAGS.batch_size)
+  return torch.utils.data.DataLoader(utils.SeededSamples(ours), FLAGS.batch_size, sampler=sampler,
+                                     num_workers=workers, drop_last=True,
+                                     persistent_workers=workers > 0)
 
 
 def rate(loader, passes):
@@ -119,12 +148,12 @@ def write_tutorial_shards(images, labels, pattern, samples_per_shard):
   return sorted(str(path) for path in pathlib.Path(pattern).parent.glob('*.tar'))
 
 
-def shard_loader(urls, count, workers):
+def shard_loader(urls, count, workers, img_dim=32, num_classes=10, seed=0):
   """train_wds_cifar.py's loader over the shards: one pass is the batches they hold."""
   batches = count // FLAGS.batch_size
   shards = train_wds_cifar.TrainShards(urls, 0, 1, batches, SimpleNamespace(
-      batch_size=FLAGS.batch_size, shuffle_buffer=count, seed=0, fail_on_bad_data=True,
-      num_workers=workers))
+      batch_size=FLAGS.batch_size, shuffle_buffer=count, img_dim=img_dim,
+      num_classes=num_classes, seed=seed, fail_on_bad_data=True, num_workers=workers))
   # Workers live through the passes, as through the epochs of the training scripts.
   return utils.EpochLoader(torch.utils.data.DataLoader(
       shards, batch_size=None, num_workers=workers, persistent_workers=workers > 0), batches,
@@ -147,12 +176,12 @@ def decode_costs(images):
            'npy': lambda image: encoded(image, 'NPY')}
   costs = {}
   for key, encode in files.items():
-    samples = [{'__key__': str(i), key: encode(image), 'cls': b'1'} for i, image in enumerate(images)]
+    samples = [encode(image) for image in images]
     start = time.perf_counter()
-    for sample in samples:
-      train_wds_cifar.decode(sample)
+    for data in samples:
+      train_wds_cifar.decode(key, data)
     costs[key] = ((time.perf_counter() - start) / len(samples) * 1e6,
-                  sum(len(sample[key]) for sample in samples) / len(samples))
+                  sum(map(len, samples)) / len(samples))
   return costs
 
 
@@ -181,9 +210,310 @@ def photo_table(count, passes):
   print()
 
 
+class RangeRequests(http.server.SimpleHTTPRequestHandler):
+  """A folder's files over HTTP, a byte range when asked, as a bucket or nginx serves them:
+  fsspec reads a file bigger than its block (5 MB) in ranges, which http.server refuses.
+  Counts the GETs in `gets`."""
+  gets = None
+
+  def do_GET(self):
+    with self.gets.get_lock():
+      self.gets.value += 1
+    asked = re.fullmatch(r'bytes=(\d+)-(\d*)', self.headers.get('Range', ''))
+    if not asked:
+      return super().do_GET()
+    with open(self.translate_path(self.path), 'rb') as f:
+      size = os.fstat(f.fileno()).st_size
+      start, end = int(asked[1]), min(size, int(asked[2] or size - 1) + 1)
+      f.seek(start)
+      self.send_response(206)
+      self.send_header('Content-Range', f'bytes {start}-{end - 1}/{size}')
+      self.send_header('Content-Length', str(end - start))
+      self.end_headers()
+      self.wfile.write(f.read(end - start))
+
+
+def start_server(serve, port):
+  """Runs serve() in a process of its own (forked, its output dropped), so that the server
+  neither takes the loader's GIL nor counts in its CPU time; returns it once port answers."""
+  def run():
+    # A line per request, tracebacks of clients that hung up: the table's reader needs none.
+    os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
+    os.dup2(2, 1)
+    serve()
+  server = multiprocessing.get_context('fork').Process(target=run, daemon=True)
+  server.start()
+  for _ in range(200):
+    try:
+      socket.create_connection(('127.0.0.1', port), timeout=1).close()
+      return server
+    except OSError:
+      time.sleep(0.05)
+  raise RuntimeError(f'the server on 127.0.0.1:{port} did not start')
+
+
+def serve_http(folder, gets):
+  """(the folder's base URL, the server process): a ThreadingHTTPServer on 127.0.0.1."""
+  handler = type('Handler', (RangeRequests,), dict(gets=gets))
+  httpd = http.server.ThreadingHTTPServer(('127.0.0.1', 0),
+                                          functools.partial(handler, directory=str(folder)))
+  port = httpd.server_address[1]
+  server = start_server(httpd.serve_forever, port)
+  httpd.server_close()  # The child's copy listens.
+  return f'http://127.0.0.1:{port}/', server
+
+
+def serve_gcs(files, gets):
+  """(gs://bench/, the server process) with the files uploaded to bucket bench of a GCS
+  emulator on 127.0.0.1 (gcp-storage-emulator, objects in its memory), read by gcsfs with
+  no credentials: nothing leaves the machine. None without the emulator."""
+  if gcs_emulator is None:
+    return None
+  # gcsfs 2026 first asks a gRPC endpoint for the bucket's layout, which the emulator has
+  # not: 60 s timeouts at every open. Read when gcsfs is imported (fsspec's first gs://).
+  os.environ['GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT'] = 'false'
+  with socket.socket() as s:
+    s.bind(('127.0.0.1', 0))
+    port = s.getsockname()[1]
+  def serve():
+    handler = gcs_emulator.RequestHandler
+    get = handler.do_GET
+    def counted(request):
+      with gets.get_lock():
+        gets.value += 1
+      get(request)
+    handler.do_GET = counted
+    gcs_emulator.create_server('127.0.0.1', port, in_memory=True, default_bucket='bench').run()
+  server = start_server(serve, port)
+  # Every gs:// filesystem of this process and its loader workers: anonymous, the emulator.
+  fsspec.config.conf['gs'] = dict(token='anon', endpoint_url=f'http://127.0.0.1:{port}')
+  fsspec.filesystem('gs').put([str(f) for f in files], 'bench/')
+  return 'gs://bench/', server
+
+
+def cpu_seconds(pid):
+  """User and system CPU seconds of a process so far, all its threads (Linux's /proc)."""
+  with open(f'/proc/{pid}/stat') as f:
+    fields = f.read().rsplit(')', 1)[1].split()
+  return (int(fields[11]) + int(fields[12])) / os.sysconf('SC_CLK_TCK')
+
+
+def loader_cpu_seconds(servers):
+  """CPU seconds of this process and its children (the loader workers) but the servers."""
+  total = cpu_seconds(os.getpid())
+  for pid in filter(str.isdigit, os.listdir('/proc')):
+    try:
+      with open(f'/proc/{pid}/stat') as f:
+        parent = int(f.read().rsplit(')', 1)[1].split()[1])
+      if parent == os.getpid() and int(pid) not in servers:
+        total += cpu_seconds(pid)
+    except (OSError, ValueError):  # Gone meanwhile.
+      pass
+  return total
+
+
+def drop_page_cache():
+  """Empties Linux's page cache (root only), so that the next reads come from the disk;
+  returns why it could not, or None."""
+  try:
+    os.sync()
+    with open('/proc/sys/vm/drop_caches', 'w') as f:
+      f.write('3')
+  except OSError as e:
+    return f'{type(e).__name__}: {e}'
+  return None
+
+
+class Meters:
+  """Wall time, the loader's CPU time (this process and its workers), the servers' CPU time
+  and their GETs, from start() to stop(), added up over the passes of a row."""
+
+  def __init__(self, servers, gets):
+    self.servers, self.gets = servers, gets
+    self.totals = np.zeros(4)
+
+  def now(self):
+    return np.array([time.perf_counter(), loader_cpu_seconds(self.servers),
+                     sum(map(cpu_seconds, self.servers)), sum(g.value for g in self.gets)])
+
+  def start(self):
+    self.started = self.now()
+
+  def stop(self):
+    self.totals += self.now() - self.started
+
+
+def timed_passes(loader, passes, cold, meters, limit):
+  """(images, meters' totals) over `passes` passes of the loader after an untimed one (it
+  starts the workers and, warm, reads the files into the page cache); cold: the cache
+  emptied before each pass. A row stops after `limit` seconds of each (slow sources)."""
+  start = time.perf_counter()
+  for _ in loader:
+    if time.perf_counter() - start > limit:
+      break
+  images = 0
+  for _ in range(passes):
+    if cold:
+      drop_page_cache()
+    meters.start()
+    for _, labels in loader:
+      images += len(labels)
+      if meters.totals[0] + time.perf_counter() - meters.started[0] > limit:
+        break
+    meters.stop()
+    if meters.totals[0] > limit:
+      break
+  return images, meters.totals
+
+
+def write_photo_shards(root, folder, shards, seed=0):
+  """The photos of root/train as make_cifar_shards.py --image_folder writes them (the files'
+  own bytes, shuffled with seed) in `shards` shards in folder; their paths."""
+  samples = torchvision.datasets.ImageFolder(root / 'train').samples
+  samples = random.Random(seed).sample(samples, len(samples))
+  folder.mkdir()
+  return [pathlib.Path(url) for url in make_cifar_shards.write_shards(
+      (make_cifar_shards.kept_file(path, label) for path, label in samples),
+      str(folder / 'train-%06d.tar'), -(-len(samples) // shards))]
+
+
+def photo_sources(shards, servers, gets):
+  """{row: the shards' URLs (None: the image folder)}: A, B, C over HTTP and gs:// (the
+  servers started, their processes in servers, their GET counters in gets)."""
+  sources = {'A: image folder, random order': None,
+             'B: the same as local shards': [str(s) for s in shards]}
+  http_row, gs_row = 'C: shards over HTTP, 127.0.0.1', 'C: shards from gs://, emulator'
+  gets[http_row] = multiprocessing.Value('L', 0)
+  base, server = serve_http(shards[0].parent, gets[http_row])
+  servers.append(server)
+  sources[http_row] = [base + s.name for s in shards]
+  gets[gs_row] = multiprocessing.Value('L', 0)
+  bucket = serve_gcs(shards, gets[gs_row])
+  if bucket:
+    servers.append(bucket[1])
+    sources[gs_row] = [bucket[0] + s.name for s in shards]
+  return sources
+
+
+def step_costs(root, sources, samples, cold):
+  """[(step, cache, microseconds per photo)] on one core: reading `samples` photos, A's files
+  (in a random order) and B's and C's from the tar (train_wds_cifar.read_samples), with the
+  page cache warm and, if cold, dropped first; then what every source does next: decode
+  (utils.decode_image), crop and flip."""
+  threads = torch.get_num_threads()
+  torch.set_num_threads(1)
+  folder = train_single_core.build_datasets(SimpleNamespace(datadir=str(root), img_dim=224))[0]
+  files = random.Random(0).sample([path for path, _ in folder.samples], samples)
+  readers = {'A: image folder: open, read and close a file':
+             lambda: [pathlib.Path(path).read_bytes() for path in files]}
+  for name, urls in sources.items():
+    if urls:
+      readers[f'{name}: read a sample from the tar'] = lambda urls=urls: [
+          data for _, _, data, _ in itertools.islice(train_wds_cifar.read_samples(
+              urls, train_wds_cifar.BadData(True), sys.maxsize), samples)]
+  costs, photos = [], None
+  for cache in ('warm', 'cold') if cold else ('warm',):
+    for step, read in readers.items():
+      if cache == 'cold' and 'gs://' in step:
+        continue  # The emulator holds the objects in its memory.
+      read()  # Warm: in the page cache now.
+      if cache == 'cold':
+        drop_page_cache()
+      start = time.perf_counter()
+      data = read()
+      costs.append((step, cache, (time.perf_counter() - start) / samples * 1e6))
+      photos = photos or data
+  for step, transform in (('decode (utils.decode_image)', utils.decode_image),
+                          ('crop and flip (RandomResizedCrop to 224)', folder.transform)):
+    start = time.perf_counter()
+    photos = [transform(photo) for photo in photos]
+    costs.append((step, '', (time.perf_counter() - start) / samples * 1e6))
+  torch.set_num_threads(threads)
+  return costs
+
+
+def source_rows(root, sources, servers, gets, passes, limit):
+  """Measures every source (see photo_sources) as train_single_core.py or train_wds_cifar.py
+  loads it, with the page cache warm, then cold (not with --quick; not if it cannot be
+  dropped), with each --workers count; yields (row, cache, workers, images, wall seconds,
+  loader CPU seconds, servers' CPU seconds, their GETs)."""
+  count = len(torchvision.datasets.ImageFolder(root / 'train'))
+  classes = len(torchvision.datasets.ImageFolder(root / 'train').classes)
+  threads = torch.get_num_threads()
+  for cache in ('warm',) if FLAGS.quick else ('warm', 'cold'):
+    # Tried after the warm rows, which find the files in the page cache as written.
+    if cache == 'cold' and drop_page_cache():
+      break
+    for workers in map(int, FLAGS.workers):
+      torch.set_num_threads(1 if workers == 0 else threads)  # Per core, as the photo table.
+      for name, urls in sources.items():
+        if 'gs://' in name and (cache == 'cold' or FLAGS.quick):
+          continue  # The emulator holds the objects in its memory; --quick: seconds a row.
+        loader = (folder_loader(root, workers) if urls is None else
+                  shard_loader(urls, count, workers, 224, classes))
+        meters = Meters([s.pid for s in servers], list(gets.values()))
+        images, totals = timed_passes(loader, passes, cache == 'cold', meters, limit)
+        yield (name, cache, workers, images, *totals)
+  torch.set_num_threads(threads)
+
+
+def source_table(count, passes, limit):
+  """Prints A, B and C's images/s per core, warm and cold (issue 41, item 3), a row at a
+  time, then where a photo's time goes."""
+  servers, gets, cut = [], {}, []
+  with tempfile.TemporaryDirectory() as tmp:
+    root = pathlib.Path(tmp)
+    size = make_photos(root, count)
+    shards = write_photo_shards(root, root / 'shards', 8)
+    megabytes = sum(s.stat().st_size for s in shards) / count / 1e6  # A sample's, in the tar
+    sources = photo_sources(shards, servers, gets)
+    print(f'Photos from files and from shards: {count} JPEGs of 500x375 (mean {size / 1000:.0f} '
+          f'KB; B and C: in {len(shards)} shards) to 224 px uint8 training batches of '
+          f'{FLAGS.batch_size}, seed 0; {passes} timed passes after an untimed one, at most '
+          f'{limit} s; cold: the page cache dropped before each pass; {MACHINE}')
+    print()
+    print('| source | cache | workers | images/s | per core | / A | images per loader CPU s | '
+          'server CPU | GETs per MB |')
+    print('| --- | --- | --- | --- | --- | --- | --- | --- | --- |')
+    for name, cache, workers, images, wall, loader_cpu, server_cpu, requests in source_rows(
+        root, sources, servers, gets, passes, limit):
+      if name.startswith('A:'):
+        reference = images / wall
+      cut += [f'{name}, {cache}, {workers} workers'] if wall > limit else []
+      print(f'| {name} | {cache} | {workers} | {images / wall:,.0f} | '
+            f'{images / wall / max(1, workers):,.0f} | {images / wall / reference:.2f}x | '
+            f'{images / loader_cpu:,.0f} | {server_cpu / wall:.0%} | ' +
+            (f'{requests / images / megabytes:.1f} |' if name in gets else '|'), flush=True)
+    cold = drop_page_cache()  # Why cold cannot be measured, or None.
+    costs = step_costs(root, sources, min(count, 2 * count // len(shards)), not cold)
+    for server in servers:
+      server.terminate()
+      server.join()
+  print()
+  for row in cut:
+    print(f'({row}: stopped after {limit} s, the rate of the batches read by then)')
+  if len(sources) < 4:
+    print('(gs:// emulator not installed: pip install gcp-storage-emulator)')
+  if cold:
+    print(f'(cold not measured: the page cache cannot be dropped here, {cold})')
+  elif FLAGS.quick:
+    print('(--quick: warm rows only, and none from gs://; their reading is timed below)')
+  else:
+    print('(gs://, cold: not measured, the emulator holds the objects in its memory)')
+  print()
+  print(f'Where a photo\'s time goes: microseconds per photo, one core, {MACHINE}')
+  print()
+  print('| step | page cache | us per photo |')
+  print('| --- | --- | --- |')
+  for step, cache, micros in costs:
+    print(f'| {step} | {cache} | {micros:,.0f} |')
+  print()
+
+
 def main(argv):
   del argv
   photo_table(*((2 * FLAGS.batch_size, 1) if FLAGS.quick else (8 * FLAGS.batch_size, 3)))
+  source_table(*((FLAGS.batch_size, 1, 3) if FLAGS.quick else (8 * FLAGS.batch_size, 3, 20)))
   count = 1000 if FLAGS.quick else 10000
   passes = 1 if FLAGS.quick else 5
   rows = []
@@ -191,12 +521,15 @@ def main(argv):
     tmp = pathlib.Path(tmp)
     images, labels = make_images(tmp / 'png', count)
     per_shard = count // 10
+    for image_format in ('rgb', 'png', 'ppm'):
+      (tmp / f'{image_format}-shards').mkdir()
     shards = {f'shards, {image_format}': make_cifar_shards.write_shards(
-        images, labels, range(count), str(tmp / image_format / 'train-%06d.tar'), per_shard,
-        image_format) for image_format in ('rgb', 'png')}
-    (tmp / 'ppm').mkdir()
+        ((*make_cifar_shards.encode(image, image_format), label)
+         for image, label in zip(images, labels)),
+        str(tmp / f'{image_format}-shards' / 'train-%06d.tar'), per_shard)
+        for image_format in ('rgb', 'png')}
     shards['shards, ppm (tutorial)'] = write_tutorial_shards(
-        images, labels, str(tmp / 'ppm' / 'train-%06d.tar'), per_shard)
+        images, labels, str(tmp / 'ppm-shards' / 'train-%06d.tar'), per_shard)
     T = torchvision.transforms
     folder = torchvision.datasets.ImageFolder(tmp / 'png', T.Compose([
         T.RandomCrop(32, padding=4), T.RandomHorizontalFlip(), T.ToTensor(),

@@ -237,6 +237,11 @@ SHARD_WRITER_MISTAKES = {
     'output is a folder': (lambda tmp: ['--cifar_dir', make_cifar_python(tmp / 'c', 4, 4),
                                         '--output', f'{tmp}/shards/'],
                            r'give --output PREFIX.*\(not a folder\)'),
+    'original format of the release': (
+        lambda tmp: ['--cifar_dir', make_cifar_python(tmp / 'c', 4, 4), '--output', tmp / 's',
+                     '--format', 'original'],
+        r"^error: --format original keeps the files of an --image_folder: CIFAR-10's release has "
+        r'none; give --format rgb or png$'),
     'image folder without val': (
         lambda tmp: ['--image_folder', make_image_folder(tmp / 'f', 'train', 1),
                      '--output', tmp / 's'],

@@ -12,6 +12,8 @@ import re
 import shlex
 import signal
 import socket
+import subprocess
+import sys
 import tarfile
 import threading
 from types import SimpleNamespace
@@ -201,6 +203,48 @@ def test_writer_stopped_by_ctrl_c_leaves_only_whole_shards(tmp_path):
   result = run_script('make_cifar_shards.py', *args)  # As the line says.
   assert result.returncode == 0, result.stderr
   assert len(list((tmp_path / 'out').glob('c-train-*.tar'))) == 2000
+
+
+@pytest.fixture
+def bucket(tmp_path):
+  """A Cloud Storage emulator on 127.0.0.1 (gcp-storage-emulator, in memory) holding a bucket
+  named data, and the environment through which gcsfs reaches it as it reaches the real one
+  (STORAGE_EMULATOR_HOST; no credentials, google-auth's metadata server at a closed port)."""
+  port, closed = closed_port(), f'127.0.0.1:{closed_port()}'
+  server = subprocess.Popen([sys.executable, '-m', 'gcp_storage_emulator', 'start', '--host',
+                             '127.0.0.1', '--port', str(port), '--in-memory', '--default-bucket',
+                             'data', '--quiet'], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+  while True:  # Until it listens.
+    assert server.poll() is None, 'the emulator ended'
+    with socket.socket() as probe:
+      if probe.connect_ex(('127.0.0.1', port)) == 0:
+        break
+  yield dict(STORAGE_EMULATOR_HOST=f'http://127.0.0.1:{port}', GOOGLE_APPLICATION_CREDENTIALS='',
+             GCE_METADATA_HOST=closed, GCE_METADATA_IP=closed, NO_GCE_CHECK='true',
+             CLOUDSDK_CONFIG=str(tmp_path))
+  os.killpg(server.pid, signal.SIGTERM)
+  server.wait()
+
+
+def test_shards_written_to_a_bucket_are_read_back_from_it(bucket, tmp_path, monkeypatch):
+  make_image_folder(tmp_path / 'img', 'train', 6, size=40)
+  make_image_folder(tmp_path / 'img', 'val', 2, size=40)
+  result = run_script('make_cifar_shards.py', '--image_folder', tmp_path / 'img', '--output',
+                      'gs://data/photos/photos', '--samples_per_shard', 8, env=script_env(**bucket))
+  assert result.returncode == 0, result.stderr
+  assert '--wds_traindir "gs://data/photos/photos-train-{000000..000002}.tar"' in result.stdout
+  # Read back as a replica reads, through gcsfs: the files' very bytes, the classes.
+  for name, value in bucket.items():
+    monkeypatch.setenv(name, value)
+  fs = fsspec.filesystem('gs', skip_instance_cache=True)
+  assert sorted(fs.ls('data/photos')) == ['data/photos/photos-classes.txt', *(
+      f'data/photos/photos-train-{i:06d}.tar' for i in range(3)), 'data/photos/photos-val-000000.tar']
+  fsspec.filesystem('gs').clear_instance_cache()
+  urls = list(braceexpand.braceexpand('gs://data/photos/photos-{train-{000000..000002},val-000000}.tar'))
+  read = sorted(data for _, _, data, _ in wds_cifar.read_samples(urls, never, 4))
+  assert read == sorted(path.read_bytes() for path in (tmp_path / 'img').glob('*/*/*'))
+  assert wds_cifar.shard_classes('gs://data/photos/photos-train-{000000..000002}.tar') == sorted(COLOURS)
 
 
 def test_checkpoints_to_a_url_keep_the_newest_and_the_best():
