@@ -323,11 +323,13 @@ def test_restarts_survive_a_preemption_and_a_lost_host_and_end_as_an_uninterrupt
     sshd, netns_hosts, tmp_path, mark):
   rng = seeded_random()
   # Early in epoch 1, so that the other worker still trains when the stop reaches it (a
-  # stop lands 2 steps after its signal, or at the epoch's end).
+  # stop lands 2 steps after its signal, or at the epoch's end): 30 steps an epoch, as the
+  # other worker ran the 20 of two epochs of 10 (at 20 a second once compiled) on a loaded
+  # machine before the launcher's stop reached it.
   preempted_at = rng.randint(1, 3)
   train = ['train_resnet_mp.py', '--fake_data', '--model', 'resnet18', '--img_dim', '16',
            '--batch_size', '4', '--test_set_batch_size', '4', '--num_epochs', '2', '--num_steps',
-           '10', '--log_steps', '1', '--num_workers', '0', '--seed', str(rng.randint(0, 99))]
+           '30', '--log_steps', '1', '--num_workers', '0', '--seed', str(rng.randint(0, 99))]
   reference = run_script(*train, '--ckpt_dir', tmp_path / 'reference', timeout=300)
   assert reference.returncode == 0, reference.stderr[-3000:]
   # Two hosts of their own (network namespaces, the same disk: a folder each, by the
