@@ -8,8 +8,12 @@ writes PREFIX-train-000000.tar, ..., PREFIX-test-000000.tar (PREFIX-val-... for 
 folder), ... and PREFIX-classes.txt (the class names, a line each, in label order) to a
 local folder or any fsspec URL (gs://bucket/imagenet/imagenet, ...). Training samples are
 shuffled once, with --shuffle_seed, so that every shard holds every class; a shard is
-written under a temporary name and renamed when whole, so a stopped run leaves none that
-looks whole.
+written under a temporary name and renamed when whole, so a stopped run (Ctrl-C, or SIGTERM
+as a preempted VM gets it) leaves none that looks whole, and the same command finishes the
+job. A prefix holding shards this command would not write (another run's, which training
+would mix with these) is refused, unless --overwrite removes them first. While it writes it
+says how far it is (samples/s, time left) on stderr: one line redrawn on a terminal, a line
+every tenth of the way (and every minute) in a log.
 
 Each sample is two tar members: an image file and KEY.cls (the label as ASCII digits).
 CIFAR-10's image is KEY.rgb (the 32x32x3 uint8 pixels as 3,072 raw bytes, height x width x
@@ -32,8 +36,11 @@ import itertools
 import os
 import pickle
 import random
+import re
+import signal
 import sys
 import tarfile
+import time
 
 import fsspec
 import fsspec.implementations.local
@@ -62,12 +69,18 @@ flags.DEFINE_enum('format', None, ['rgb', 'png', 'original'], 'Image files: rgb,
                   '(fastest to read; CIFAR), png, 32x32 PNG (readable by other tools; lossless, '
                   'about as big), or original, an image folder\'s files as they are (any size). '
                   'Default: rgb for --cifar_dir, original for --image_folder.')
+flags.DEFINE_bool('overwrite', False, 'First remove the shards and classes file that --output '
+                  'holds (an earlier run\'s); without it such shards, if this run would not write '
+                  'the same names, are refused.')
 flags.DEFINE_string('results_json', None, "Write train_wds_cifar.py's data flags here (JSON).")
 # A notebook may import several scripts (the same flag names) or %run one again.
 utils.redefinable(FLAGS)
 
 TRAIN_BATCHES = [f'data_batch_{i}' for i in range(1, 6)]
 DEFAULT_LOADER_WORKERS = 4  # train_wds_cifar.py's --num_workers
+DEFAULT_BATCH_SIZE = 128  # train_wds_cifar.py's --batch_size
+SPLITS = ('train', 'val', 'test')  # The shards this script writes: PREFIX-SPLIT-NNNNNN.tar.
+PLAIN_SECONDS = 60  # Progress in a log: a line every tenth of the way, and at least this often.
 # The first bytes of the image files kept as they are, and their key in a sample.
 KEPT = {b'\xff\xd8\xff': 'jpg', b'\x89PNG\r\n\x1a\n': 'png', b'RIFF': 'webp'}
 
@@ -88,10 +101,11 @@ def encode(image, image_format):
     return 'png', f.getvalue()
 
 
-def write_shards(samples, pattern, samples_per_shard):
+def write_shards(samples, pattern, samples_per_shard, progress=None):
   """Writes the samples, (image file key, its bytes, label) each, in turn to pattern % 0,
   pattern % 1, ..., samples_per_shard a shard; returns the URLs written. samples may be a
-  generator: a shard's samples are all that is held in memory."""
+  generator: a shard's samples are all that is held in memory. progress: a Progress told of
+  each shard written."""
   urls, samples = [], iter(samples)
   key = 0
   while shard := list(itertools.islice(samples, samples_per_shard)):
@@ -103,7 +117,60 @@ def write_shards(samples, pattern, samples_per_shard):
         add_member(tar, f'{key:08d}.cls', str(int(label)).encode())
         key += 1
     urls.append(url)
+    if progress:
+      progress.add(len(shard))
   return urls
+
+
+class Progress:
+  """How far the writing is: samples written of all, samples/s, time left. On a terminal one
+  line redrawn in place; in a log, a pod's output or a notebook (not a terminal) a plain line
+  at each tenth of the way and at least every PLAIN_SECONDS. On stderr, as tqdm writes it, so
+  that stdout holds only the lines a program reads (the command to train with)."""
+
+  def __init__(self, total, stream=sys.stderr):
+    self.total, self.done, self.stream = total, 0, stream
+    self.live = stream.isatty()
+    self.start = self.said = time.monotonic()
+    self.tenths, self.width = 0, 0
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exception):
+    if self.live and self.width:  # The next line, the last or a stop's error, on a line of its own.
+      self.stream.write('\n')
+      self.stream.flush()
+
+  def add(self, count):
+    self.done += count
+    now, tenths = time.monotonic(), self.done * 10 // max(1, self.total)
+    if self.live and (now - self.said >= 0.2 or self.done >= self.total):  # 5 redraws a second
+      line = self.line(now)
+      self.stream.write('\r' + line.ljust(self.width))  # Spaces over a longer line before it.
+      self.stream.flush()
+      self.said, self.width = now, max(self.width, len(line))
+    elif not self.live and (tenths > self.tenths or now - self.said >= PLAIN_SECONDS):
+      print(self.line(now), file=self.stream, flush=True)
+      self.said, self.tenths = now, tenths
+
+  def line(self, now):
+    seconds = now - self.start
+    rate = self.done / seconds if seconds > 0 else 0.0
+    when = (f'done in {clock(seconds)}' if self.done >= self.total else
+            f'{clock((self.total - self.done) / rate)} left' if rate else 'time left unknown')
+    return (f'{self.done:,} of {self.total:,} samples written ({self.done * 100 // self.total}%), '
+            f'{rate:,.0f} samples/s, {when}')
+
+
+def clock(seconds):
+  """H:MM:SS, as tqdm and time(1) show a duration."""
+  minutes, seconds = divmod(round(seconds), 60)
+  return f'{minutes // 60}:{minutes % 60:02d}:{seconds:02d}'
+
+
+def plural(count, noun):
+  return f'{count} {noun}' + ('' if count == 1 else 's')
 
 
 @contextlib.contextmanager
@@ -132,6 +199,41 @@ def written_whole(url):
   finally:
     if local and fs.exists(temporary):
       fs.rm(temporary)
+
+
+def earlier_files(fs, path):
+  """What the prefix path (in fs) holds of an earlier run: its shards, the temporary files of
+  a killed one and its classes file. Another prefix's (PATH-10-train-...) are not counted."""
+  base = path.rsplit('/', 1)[-1]
+  ours = re.compile(rf'{re.escape(base)}-(({"|".join(SPLITS)})-\d{{6}}\.tar(\.tmp)?|classes\.txt)')
+  try:
+    names = fs.ls(fs._parent(path), detail=False)
+  except FileNotFoundError:  # A folder that the writing makes.
+    return []
+  return sorted(name for name in names if ours.fullmatch(name.rstrip('/').rsplit('/', 1)[-1]))
+
+
+def clear_prefix(prefix, shard_counts, overwrite):
+  """Refuses a prefix holding shards that this run would not write ({split: shards}): another
+  run's, which training would read mixed with these under the new names. Shards it writes
+  again are no reason (the same command after a stop finishes the job). With overwrite,
+  removes the prefix's shards and classes file instead. Before anything is written."""
+  fs, path = fsspec.core.url_to_fs(prefix)
+  found = supervisor.reach(prefix, lambda: earlier_files(fs, path))
+  if overwrite:
+    if found:
+      fs.rm(found)
+      print(f'Removed {plural(len(found), "file")} of an earlier run from {prefix}-*', flush=True)
+    return
+  ours = {f'{path.rsplit("/", 1)[-1]}-{split}-{i:06d}.tar'
+          for split, count in shard_counts.items() for i in range(count)}
+  stale = [name.rsplit('/', 1)[-1] for name in found if name.endswith('.tar')]
+  stale = [name for name in stale if name not in ours]
+  if stale:
+    raise utils.UsageError(
+        f'--output {prefix} holds {plural(len(stale), "shard")} that this command would not '
+        f'write, such as {stale[0]} (another run\'s: training would mix them with these): give '
+        f'--overwrite to remove the shards and classes file of {prefix} first, or another --output')
 
 
 def brace_pattern(prefix, split, count):
@@ -221,15 +323,7 @@ def cifar_file(image_format, path, label):
 
 def main(argv):
   del argv
-  if (FLAGS.cifar_dir is None) == (FLAGS.image_folder is None):
-    utils.die('give one of --cifar_dir and --image_folder')
-  if not FLAGS.output or FLAGS.output.endswith('/'):
-    utils.die(f'give --output PREFIX, a path or URL the shard names start with, such as '
-              f'{FLAGS.output or ""}cifar (not a folder): PREFIX-train-000000.tar, ...')
-  image_format = FLAGS.format or ('rgb' if FLAGS.cifar_dir else 'original')
-  if FLAGS.cifar_dir and image_format == 'original':
-    utils.die('--format original keeps the files of an --image_folder: CIFAR-10\'s release has '
-              'none; give --format rgb or png')
+  image_format = checked_format()
   try:
     supervisor.check_outputs(None, None, FLAGS.results_json)
     if FLAGS.cifar_dir:
@@ -247,27 +341,19 @@ def main(argv):
     order += rng.sample(range(len(train_samples)), len(train_samples))
   test_order = (range(len(test_samples)) if FLAGS.cifar_dir else  # The release's own order.
                 rng.sample(range(len(test_samples)), len(test_samples)))
+  jobs = ((train, train_samples, order), (test_name, test_samples, test_order))
+  with said_as_one_line():
+    clear_prefix(FLAGS.output, {split: -(-len(indices) // FLAGS.samples_per_shard)
+                                for split, _, indices in jobs}, FLAGS.overwrite)
   print(f'Writing {len(order):,} training samples shuffled with --shuffle_seed {FLAGS.shuffle_seed} '
         f'and {len(test_samples):,} {test_name} samples, {image_format} images, '
         f'{FLAGS.samples_per_shard} a shard, to {FLAGS.output}-*', flush=True)
-  try:
-    fs, path = fsspec.core.url_to_fs(FLAGS.output)
-    fs.makedirs(os.path.dirname(path) or '.', exist_ok=True)
-    written = [write_shards((samples[i]() for i in indices), f'{FLAGS.output}-{split}-%06d.tar',
-                            FLAGS.samples_per_shard)
-               for split, samples, indices in ((train, train_samples, order),
-                                               (test_name, test_samples, test_order))]
-    with written_whole(FLAGS.output + '-classes.txt') as f:
-      f.write('\n'.join(classes).encode() + b'\n')
-  except (utils.UsageError, utils.BadDataError) as e:  # An image that cannot be read.
-    utils.die(e)
-  except OSError as e:  # No permission, a full disk, a file where a folder should be, ...
-    utils.die(f'cannot write shards to --output {FLAGS.output} ({type(e).__name__}: {e}): give '
-              'a place this job can write')
+  written = write_all(jobs, classes)
   print(f'Classes ({len(classes)}, in {FLAGS.output}-classes.txt): {" ".join(classes[:20])}'
         + (' ...' if len(classes) > 20 else ''))
-  print(f'Wrote {len(order)} training samples in {len(written[0])} shards and {len(test_samples)} '
-        f'{test_name} samples in {len(written[1])} shards. Train with:')
+  print(f'Wrote {plural(len(order), "training sample")} in {plural(len(written[0]), "shard")} and '
+        f'{plural(len(test_samples), test_name + " sample")} in {plural(len(written[1]), "shard")}. '
+        'Train with:')
   data_flags = training_flags(test_name, len(written[0]), len(order), len(written[1]),
                               len(test_samples), image_format)
   try:
@@ -276,24 +362,85 @@ def main(argv):
     utils.die(e)
 
 
+def checked_format():
+  """The image format of the shards, once the flags are checked."""
+  if (FLAGS.cifar_dir is None) == (FLAGS.image_folder is None):
+    utils.die('give one of --cifar_dir and --image_folder')
+  if not FLAGS.output or FLAGS.output.endswith('/'):
+    utils.die(f'give --output PREFIX, a path or URL the shard names start with, such as '
+              f'{FLAGS.output or ""}cifar (not a folder): PREFIX-train-000000.tar, ...')
+  image_format = FLAGS.format or ('rgb' if FLAGS.cifar_dir else 'original')
+  if FLAGS.cifar_dir and image_format == 'original':
+    utils.die('--format original keeps the files of an --image_folder: CIFAR-10\'s release has '
+              'none; give --format rgb or png')
+  return image_format
+
+
+def write_all(jobs, classes):
+  """Writes the shards of each (split, samples, order of the samples) in jobs, then the
+  classes file; returns each split's shard URLs."""
+  with said_as_one_line(), Progress(sum(len(indices) for _, _, indices in jobs)) as progress:
+    fs, path = fsspec.core.url_to_fs(FLAGS.output)
+    fs.makedirs(os.path.dirname(path) or '.', exist_ok=True)
+    written = [write_shards((samples[i]() for i in indices), f'{FLAGS.output}-{split}-%06d.tar',
+                            FLAGS.samples_per_shard, progress)
+               for split, samples, indices in jobs]
+    with written_whole(FLAGS.output + '-classes.txt') as f:
+      f.write('\n'.join(classes).encode() + b'\n')
+  return written
+
+
+@contextlib.contextmanager
+def said_as_one_line():
+  """What the user can fix, ends as one `error:` line: bad input or a place that cannot be
+  written (no permission, a full disk, a file where a folder should be, ...)."""
+  try:
+    yield
+  except (utils.UsageError, utils.BadDataError) as e:  # An image that cannot be read, ...
+    utils.die(e)
+  except OSError as e:
+    utils.die(f'cannot write shards to --output {FLAGS.output} ({type(e).__name__}: {e}): give '
+              'a place this job can write')
+
+
 def training_flags(test_name, train_shards, train_samples, test_shards, test_samples, image_format):
-  """Prints the train_wds_cifar.py command that trains on these shards; returns its flags."""
+  """Prints the train_wds_cifar.py command that trains on these shards on one device as it is
+  printed (its defaults lowered where they would be refused); returns its flags."""
   data_flags = dict(wds_traindir=brace_pattern(FLAGS.output, 'train', train_shards),
                     trainsize=train_samples,
                     wds_testdir=brace_pattern(FLAGS.output, test_name, test_shards),
                     testsize=test_samples)
+  # Each loader worker of each replica reads shards of its own: few shards, fewer workers.
+  if train_shards < DEFAULT_LOADER_WORKERS:
+    data_flags['num_workers'] = train_shards
+  if train_samples < DEFAULT_BATCH_SIZE:  # No whole batch: the largest power of 2 that fits.
+    data_flags['batch_size'] = 1 << (train_samples.bit_length() - 1)
   print('  python train_wds_cifar.py ' + ' '.join(
       f'--{name} "{value}"' if isinstance(value, str) else f'--{name} {value}'
-      for name, value in data_flags.items()) +
-      # Each loader worker of each replica reads shards of its own: few shards, fewer workers.
-      (f' --num_workers {train_shards}' if train_shards < DEFAULT_LOADER_WORKERS else ''))
+      for name, value in data_flags.items()))
   if image_format == 'original':
     print('(It crops the images to --img_dim, 32 unless given: ImageNet trains at 224, with '
           '--img_dim 224 --model resnet50)')
-  if train_shards < 8 * DEFAULT_LOADER_WORKERS:  # Too few for 8 devices' default workers.
-    print(f'(On several devices or hosts, replicas x --num_workers must be at most the number of '
-          f'training shards, {train_shards}: for more, write smaller shards with --samples_per_shard)')
+  limits = []  # What 8 devices (a TPU host) with the defaults would be refused for.
+  if train_shards < 8 * DEFAULT_LOADER_WORKERS:
+    limits.append(f'replicas x --num_workers at most the {plural(train_shards, "training shard")} '
+                  '(for more, write smaller shards with --samples_per_shard)')
+  if train_samples < 8 * DEFAULT_BATCH_SIZE:
+    limits.append(f'replicas x --batch_size at most the {plural(train_samples, "training sample")}')
+  if limits:
+    print(f'(On several devices or hosts: {"; ".join(limits)})')
   return dict(data_flags, num_workers=min(train_shards, DEFAULT_LOADER_WORKERS))
+
+
+class Preempted(BaseException):
+  """SIGTERM (a VM's preemption or maintenance notice, a container stopped), raised where the
+  writing is as Ctrl-C raises KeyboardInterrupt: the half-written shard is removed on its way
+  out. A BaseException, as KeyboardInterrupt is, so that no `except Exception` stops it."""
+
+
+def preempted(signum, frame):
+  signal.signal(signal.SIGTERM, signal.SIG_IGN)  # A second one would cut the clean-up short.
+  raise Preempted()
 
 
 def run(argv):
@@ -307,8 +454,11 @@ if __name__ == '__main__':
   if utils.in_notebook():  # %run in a notebook: a command of its own, as run() starts it.
     run(sys.argv[1:])
   else:
+    signal.signal(signal.SIGTERM, preempted)
     try:
       app.run(main, flags_parser=utils.parse_flags)
-    except KeyboardInterrupt:
-      utils.die(f'stopped by {utils.INTERRUPT}: the shards written are whole (one half-written is '
-                'removed); run the same command to write them all', utils.EXIT_INTERRUPTED)
+    except (KeyboardInterrupt, Preempted) as e:
+      name, code = ((utils.INTERRUPT, utils.EXIT_INTERRUPTED) if isinstance(e, KeyboardInterrupt)
+                    else ('SIGTERM', utils.EXIT_PREEMPTED))
+      utils.die(f'stopped by {name}: the shards written are whole (one half-written is removed); '
+                'run the same command to write them all', code)

@@ -26,14 +26,19 @@ With --ckpt_dir, the same command started again goes on exactly where the last o
 SIGTERM (Ctrl-C): every replica finishes the same step, the master saves, exit code 75 (130).
 """
 
+import asyncio
+import contextlib
 import io
 import itertools
+import lzma
 import os
 import random
 import re
+import socket
 import sys
 import tarfile
 import time
+import zlib
 from types import SimpleNamespace
 
 from absl import app, flags
@@ -47,6 +52,9 @@ flags.DEFINE_integer('testsize', None, 'Test samples in the shards (all of them)
                      'warning if the test shards hold another number.', lower_bound=1)
 flags.DEFINE_integer('shuffle_buffer', 10000, 'Samples each loader worker shuffles.', lower_bound=1)
 flags.DEFINE_bool('fail_on_bad_data', False, 'Stop at a bad shard or sample instead of skipping it.')
+flags.DEFINE_float('read_timeout', 20, 'Seconds a remote shard\'s read may go without a byte before '
+                   'it is tried again (3 tries; a server that fails 2 shards in a row ends the run).',
+                   lower_bound=0.1)
 flags.DEFINE_string('model', 'resnet18', 'A torchvision ResNet (resnet18, resnet50, resnext50_32x4d, '
                     'wide_resnet50_2, ...), given the CIFAR stem, or a name build_model knows.')
 flags.DEFINE_integer('num_classes', None, 'Number of classes (labels 0..N-1). Unset: the lines of '
@@ -108,6 +116,7 @@ if (__name__ == '__main__' and 'IPython' not in sys.modules and
   except flags.Error:
     pass  # Said in one line by app.run's parse.
 
+import aiohttp
 import braceexpand
 import fsspec
 import fsspec.implementations.local
@@ -147,6 +156,12 @@ PPM_HEADER = re.compile(rb'P6\s+(\d+)\s+(\d+)\s+255\s')  # 8-bit binary RGB, no 
 RGB_SIDE = 32  # An rgb file is a 32x32 RGB image.
 CIFAR_CLASSES = 10  # Without --num_classes or a classes file beside the shards.
 CIFAR_SIDE = 32  # --img_dim up to this trains CIFAR's way (see build_model, normalized).
+READ_TIMEOUT = 20  # --read_timeout's default: seconds without a byte from a remote shard
+READ_TRIES = 3  # of such a read, or one whose connection is refused or dropped (see RetriedReads)
+DOWN_AFTER = 2  # shards in a row that their server failed: it is down, and the run ends
+# What a shard that cannot be read raises (a truncated or corrupt tar or compression, a disk
+# error, a pipe: command that failed); anything else is a bug in the code, and a traceback.
+DATA_ERRORS = (tarfile.TarError, ValueError, EOFError, OSError, lzma.LZMAError, zlib.error)
 # Flags of the image-folder scripts that a user may bring here.
 ELSEWHERE = {'datadir': 'give the shards with --wds_traindir and --wds_testdir (see '
                         'make_cifar_shards.py); --datadir belongs to the image-folder scripts',
@@ -208,45 +223,165 @@ def decode(image_key, data):
   return torch.from_numpy(np.ascontiguousarray(image.transpose(2, 0, 1)))
 
 
-def read_samples(urls, on_bad, num_classes):
+def read_samples(urls, on_bad, num_classes, read_timeout=READ_TIMEOUT):
   """(where, image file key, its bytes, label) of every sample of the shards in turn, where
-  naming it in a message. A shard that cannot be opened or read to the end, or a sample
-  without an image file and a label, is passed to on_bad(message), which raises or counts
-  it, and reading goes on."""
+  naming it in a message. A shard that is missing, cannot be read to the end, or whose server
+  fails it (see RetriedReads), and a sample without an image file and a label, are passed to
+  on_bad(message), which raises or counts them, and reading goes on; but a server that failed
+  DOWN_AFTER shards in a row is down, and ends the run. Any other exception is a bug: raised."""
+  failed = []  # Shards in a row that their server failed.
   for url in urls:
     try:
-      # A pipe: command (e.g. 'pipe:gsutil cat gs://bucket/shard.tar') or an fsspec URL.
-      stream = wds.gopen(url) if url.startswith('pipe:') else open_shard(url)
-      try:
-        whole = WholeTar(stream)
-        files = wds.tariterators.tar_file_expander([dict(url=url, stream=whole)])
-        for sample in wds.tariterators.group_by_keys(files):
-          where = f'sample {sample["__key__"]} of {url}'
-          try:
-            yield (where, *parse(sample, num_classes))
-          except BadSample as e:
-            on_bad(f'{where} {e}')
-        if whole.cut_short():
-          on_bad(f'shard {url} cannot be read to the end (it ends inside a tar header, '
-                 f'after {whole.size} bytes: the rest of it is lost)')
-      finally:
-        stream.close()
-    except utils.BadDataError:
-      raise
-    except Exception as e:  # A missing shard, a truncated or corrupt tar.
+      yield from shard_samples(url, on_bad, num_classes, read_timeout)
+      failed.clear()
+    except ServerFailed as e:
+      failed.append(url)
+      if len(failed) == DOWN_AFTER:
+        raise utils.BadDataError(
+            f'{e.server} does not answer: {e.reason}, {READ_TRIES} tries each, for shard '
+            f'{failed[0]} and then {url}; check that it is up and that this host '
+            f'({socket.gethostname()}) reaches it, then run the same command again (with '
+            '--ckpt_dir it resumes from the last checkpoint)') from None
+      on_bad(f'shard {url} cannot be read: {e.reason} ({READ_TRIES} tries)')
+    except FileNotFoundError:
+      on_bad(f'shard {url} is missing')
+    except DATA_ERRORS as e:  # A truncated or corrupt tar, a disk that cannot read it.
       on_bad(f'shard {url} cannot be read to the end ({type(e).__name__}: '
              f'{e.args[0] if e.args else e})')
 
 
-def open_shard(url):
+def shard_samples(url, on_bad, num_classes, read_timeout):
+  """The samples of one shard (see read_samples). The last sample of a tar cut short lacks a
+  file: the cut is said, once, not that sample."""
+  stream = wds.gopen(url) if url.startswith('pipe:') else open_shard(url, read_timeout)
+  with contextlib.closing(stream):
+    whole = WholeTar(stream)
+    files = wds.tariterators.tar_file_expander([dict(url=url, stream=whole)])
+    held = None  # What is wrong with the sample just read, said once the next one comes.
+    for sample in wds.tariterators.group_by_keys(files):
+      if held:
+        on_bad(held)
+      where, held = f'sample {sample["__key__"]} of {url}', None
+      try:
+        parsed = parse(sample, num_classes)
+      except BadSample as e:
+        held = f'{where} {e}'
+        continue
+      yield (where, *parsed)
+    if whole.cut_short():
+      on_bad(f'shard {url} cannot be read to the end (it ends inside a tar header, after '
+             f'{whole.size} bytes: the rest of it is lost)')
+    elif held:
+      on_bad(held)
+
+
+def open_shard(url, read_timeout=READ_TIMEOUT):
   """A shard to read from start to end: a local file as it is; a remote one read in 4 MB
   pieces (tarfile reads 10 KB at a time: a request each, 22,000 for a shard of ImageNet),
-  over http(s) as one stream (a server may not answer range requests)."""
-  fs, path = fsspec.core.url_to_fs(url)
+  over http(s) as one stream (a server may not answer range requests), a read that stalls
+  for read_timeout s or loses its connection tried again (see RetriedReads)."""
+  fs, path = fsspec.core.url_to_fs(url, **stall_limit(url, read_timeout))
   if isinstance(fs, fsspec.implementations.local.LocalFileSystem):
     return fs.open(path, 'rb')
-  stream = fs.open(path, 'rb', block_size=0 if url.startswith(('http:', 'https:')) else None)
-  return io.BufferedReader(stream, 4 << 20)
+  # Over http(s) a stream; its size given (unknown) spares a HEAD request before each GET.
+  options = dict(block_size=0, size=-1) if url.startswith(('http:', 'https:')) else {}
+  return io.BufferedReader(RetriedReads(lambda: fs.open(path, 'rb', **options), url,
+                                        read_timeout), 4 << 20)
+
+
+def stall_limit(url, seconds):
+  """The file system options that make a read with no byte for `seconds` fail, where the
+  library has them: aiohttp's socket timeouts, which http(s) and gs:// read through (gcsfs
+  then tries a read 6 times itself). Other fsspec URLs keep their library's limits."""
+  timeout = aiohttp.ClientTimeout(total=None, sock_connect=seconds, sock_read=seconds)
+  protocol = fsspec.utils.get_protocol(url)
+  if protocol in ('http', 'https'):
+    return dict(client_kwargs=dict(timeout=timeout))
+  if protocol in ('gs', 'gcs'):
+    return dict(requests_timeout=timeout)
+  return {}
+
+
+class ServerFailed(Exception):
+  """A remote shard whose server did not answer, or dropped the connection, READ_TRIES times."""
+
+  def __init__(self, server, reason):
+    super().__init__(f'{server}: {reason}')
+    self.server, self.reason = server, reason
+
+
+class RetriedReads(io.RawIOBase):
+  """A remote shard's bytes, opened again and read on from where they stopped when a read
+  fails for the server's sake (no byte within the stall limit, a connection refused or
+  dropped, a 5xx answer): READ_TRIES tries, 1 s and then 2 s apart, then ServerFailed. A
+  stream that cannot seek (http) is read again up to that point."""
+
+  def __init__(self, open_stream, url, read_timeout):
+    self.open_stream, self.url, self.read_timeout = open_stream, url, read_timeout
+    self.stream, self.position = None, 0
+
+  def readable(self):
+    return True
+
+  def readinto(self, buffer):
+    for attempt in range(READ_TRIES):
+      try:
+        if self.stream is None:
+          self.stream = self.reopened()
+        data = self.stream.read(len(buffer))
+        break
+      except Exception as e:
+        self.close_stream()
+        if isinstance(e, FileNotFoundError) and server_failed(e.__cause__):
+          e = e.__cause__  # fsspec's http says so of a file it could not ask about.
+        elif not server_failed(e):
+          raise
+        if attempt + 1 == READ_TRIES:
+          raise ServerFailed(self.url.split('/')[2], self.describe(e)) from None
+        time.sleep(2**attempt)
+    buffer[:len(data)] = data
+    self.position += len(data)
+    return len(data)
+
+  def reopened(self):
+    stream = self.open_stream()
+    with contextlib.suppress(ValueError, io.UnsupportedOperation):  # An http stream's seek.
+      stream.seek(self.position)
+      return stream
+    left = self.position
+    while left:  # Each read within the stall limit too.
+      read = len(stream.read(min(left, 4 << 20)))
+      if not read:
+        raise EOFError(f'the shard is shorter than before ({self.position - left} bytes)')
+      left -= read
+    return stream
+
+  def describe(self, error):
+    if isinstance(error, (TimeoutError, asyncio.TimeoutError)):
+      return f'no byte for {self.read_timeout:g} s'
+    if isinstance(error, (ConnectionRefusedError, aiohttp.ClientConnectorError)):
+      return 'the server refuses connections'
+    return f'the server failed the read ({type(error).__name__}: {error})'
+
+  def close_stream(self):
+    if self.stream is not None:
+      with contextlib.suppress(Exception):
+        self.stream.close()
+      self.stream = None
+
+  def close(self):
+    self.close_stream()
+    super().close()
+
+
+def server_failed(error):
+  """Whether a read failed for the server's sake, not the data's: no answer in time, a
+  connection refused or dropped, a 5xx or 429 answer."""
+  if isinstance(error, aiohttp.ClientResponseError):
+    return error.status >= 500 or error.status == 429
+  status = getattr(error, 'code', None)  # gcsfs's HttpError, after its own tries
+  return (isinstance(error, (TimeoutError, asyncio.TimeoutError, ConnectionError,
+                             aiohttp.ClientError)) or (isinstance(status, int) and status >= 500))
 
 
 class WholeTar:
@@ -379,7 +514,7 @@ class TrainShards(torch.utils.data.IterableDataset):
       shuffle = wds.shuffle(self.cfg.shuffle_buffer, initial=self.cfg.batch_size, rng=rng)
       read = 0
       for sample in shuffle(read_samples(rng.sample(shards, len(shards)), on_bad,
-                                         self.cfg.num_classes)):
+                                         self.cfg.num_classes, self.cfg.read_timeout)):
         read += 1
         yield *sample, pass_number
       if read == 0:
@@ -445,7 +580,7 @@ class TestShards(torch.utils.data.IterableDataset):
     bad = BadData(self.cfg.fail_on_bad_data, self.counts, worker)
     batch = []
     for where, image_key, data, label in read_samples(self.urls[worker::num_workers], bad,
-                                                      self.cfg.num_classes):
+                                                      self.cfg.num_classes, self.cfg.read_timeout):
       try:
         batch.append((self.views.eval(decode(image_key, data)), label))
       except BadSample as e:

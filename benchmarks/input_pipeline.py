@@ -153,7 +153,8 @@ def shard_loader(urls, count, workers, img_dim=32, num_classes=10, seed=0):
   batches = count // FLAGS.batch_size
   shards = train_wds_cifar.TrainShards(urls, 0, 1, batches, SimpleNamespace(
       batch_size=FLAGS.batch_size, shuffle_buffer=count, img_dim=img_dim,
-      num_classes=num_classes, seed=seed, fail_on_bad_data=True, num_workers=workers))
+      num_classes=num_classes, seed=seed, fail_on_bad_data=True, num_workers=workers,
+      read_timeout=20))
   # Workers live through the passes, as through the epochs of the training scripts.
   return utils.EpochLoader(torch.utils.data.DataLoader(
       shards, batch_size=None, num_workers=workers, persistent_workers=workers > 0), batches,

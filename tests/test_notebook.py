@@ -39,7 +39,7 @@ def test_quickstart_notebook_runs_all_cells_and_draws_the_curves(tmp_path):
   assert 'nothing to install' in text[0], text[0]
   assert re.search(r'^\| Training Device=xla:0/0 Epoch=1 Step=5 ', text[1], re.M), text[1]
   assert re.search(r'samples/s on 1 replicas', text[1]), text[1]
-  assert 'Wrote 200 training samples in 1 shards and 48 test samples' in text[2], text[2]
+  assert 'Wrote 200 training samples in 1 shard and 48 test samples' in text[2], text[2]
   accuracy = re.search(r'^Accuracy after 3 epochs: ([\d.]+)%$', text[3], re.M)
   assert accuracy, text[3]
   assert (checkout / 'runs' / 'quickstart' / 'ckpt' / 'best.pt').exists()
