@@ -29,25 +29,20 @@ import logging
 import multiprocessing
 import numbers
 import os
-import pickle
 import select
 import signal
 import sys
 import threading
 import time
-import types
 
 import braceexpand
 import fsspec
-import numpy as np
 import torch
-import torchvision
 import webdataset as wds
 
 import utils
 
 REMOTE_SECONDS = 20  # The wait at start for a bucket or server (gcsfs alone retries ~35 s).
-IMG_EXTENSIONS = torchvision.datasets.folder.IMG_EXTENSIONS
 
 # gcsfs and google-auth log each retry and credential fallback, tracebacks included, through
 # absl's handler: a bucket out of reach was a hundred lines. The checks say it in one.
@@ -71,7 +66,7 @@ def check_job(cfg, build_datasets, build_model, fake_classes, given, recipe=None
     train_set, test_set, num_classes = build_datasets(cfg)
     print(check_datasets(train_set, test_set, num_classes))
     if cfg.num_workers and getattr(cfg, 'num_cores', None) != 1:  # Workers start by spawn.
-      check_picklable(dict(training=train_set, evaluation=test_set))
+      utils.check_picklable(dict(training=train_set, evaluation=test_set))
   model = build_model(cfg, num_classes)
   print(describe_model(cfg.model, model, num_classes))
   if not cfg.fake_data:
@@ -117,25 +112,6 @@ def _kind(value):
   if isinstance(value, (tuple, list)):
     return f'a {type(value).__name__} of {", ".join(map(_kind, value))}'
   return repr(value) if isinstance(value, (int, float, str)) else f'a {type(value).__name__}'
-
-
-class _WorkerPickle(pickle.Pickler):
-  """What a loader worker started by spawn is sent of a dataset, but for its tensors and arrays
-  (taken as they are: only whether it can be sent is asked, not what it weighs)."""
-  dispatch_table = {torch.Tensor: lambda tensor: (tuple, ()), np.ndarray: lambda array: (tuple, ())}
-
-
-def check_picklable(datasets):
-  """Loader workers that a replica starts by spawn get each dataset pickled: a class defined
-  inside a function (or a lambda transform) cannot be, which would be a traceback from the
-  replica after start-up. Said here in one line instead."""
-  for name, dataset in datasets.items():
-    try:
-      _WorkerPickle(types.SimpleNamespace(write=len)).dump(dataset)  # Written nowhere.
-    except Exception as e:  # pickle.PicklingError, AttributeError (a local class), TypeError
-      raise utils.UsageError(f'build_datasets: the {name} set ({type(dataset).__name__}) cannot be '
-                             f'sent to loader worker processes ({e}): define its class (and any '
-                             'function it holds) at module level, or give --num_workers 0') from None
 
 
 def describe_model(name, model, num_classes):
@@ -274,19 +250,8 @@ def check_image_folders(root, splits):
   """ImageFolder datasets of root/SPLIT for each split (no transform), or a UsageError when a
   split is not a folder of class folders of images, or the splits' classes differ."""
   datasets = []
-  for folder in (os.path.join(root, split) for split in splits):
-    if not os.path.isdir(folder):
-      raise utils.UsageError(f'{folder} is not a folder: {root} needs {" and ".join(splits)} with '
-                             f'one folder of images per class ({folder}/CLASS/x.jpg)')
-    try:
-      dataset = torchvision.datasets.ImageFolder(folder, loader=utils.load_image, allow_empty=True)
-    except FileNotFoundError:
-      raise utils.UsageError(f'{folder} has no class folders: put the images of each class in '
-                             f'{folder}/CLASS_NAME/') from None
-    empty = sorted(set(dataset.classes) - {dataset.classes[label] for label in dataset.targets})
-    if empty:
-      raise utils.UsageError(f'class folder {os.path.join(folder, empty[0])} has no images '
-                             f'({" ".join(IMG_EXTENSIONS)}): add images or remove the folder')
+  for split in splits:
+    dataset, folder = utils.image_folder(root, split, splits=splits), os.path.join(root, split)
     if _links(folder):  # ImageFolder follows them: an image must still count once.
       _check_one_path_each(dataset.samples, folder)
     if datasets and dataset.classes != datasets[0].classes:
@@ -374,12 +339,13 @@ def check_shards(flag, pattern, strict):
   return [url for url in urls if url not in missing and not url.startswith('pipe:')]
 
 
-def check_format(flag, url, decode, foreign, count=16):
+def check_format(flag, url, decode, foreign, open_shard, count=16):
   """A UsageError if one of the first `count` samples of the shard is not of a kind this
   script reads (decode(sample) raises foreign): shards of another format, or labels past the
-  classes, are one line at start, not a warning for every sample."""
+  classes, are one line at start, not a warning for every sample. open_shard(url): the
+  shard's bytes, as training reads them (a remote one in large pieces: a request or two)."""
   try:
-    with fsspec.open(url, 'rb') as stream:
+    with open_shard(url) as stream:
       files = wds.tariterators.tar_file_expander([dict(url=url, stream=stream)])
       samples = list(itertools.islice(wds.tariterators.group_by_keys(files), count))
   except Exception:
@@ -473,19 +439,8 @@ def _check_replicas():
     _replicas.setdefault(process.pid, process)
   ended = [(pid, process.exitcode) for pid, process in _replicas.items()
            if process.exitcode not in (None, 0)]
-  # First one that said why in its `error:` line, last those that the pool, once broken,
-  # ended with SIGTERM (replicas still importing have no handler for it yet).
-  for pid, code in sorted(ended, key=lambda ended: (ended[1] != 2, ended[1] == -signal.SIGTERM)):
-    if code == 2:
-      _end_run(2, None)
-    if utils.stop_signal():  # During a stop: one still importing dies of the signal, say.
-      name, stop_code = utils.record_stop({}, utils.stop_signal(), 0)
-      _end_run(stop_code, f'Stopped by {name}: replica process {pid} ended before it saved '
-               f'anything; run the same command to go on from the last checkpoint (exit code '
-               f'{stop_code})')
-    cause = f'was killed by {signal.Signals(-code).name}' if code < 0 else f'failed (exit code {code})'
-    _end_run(128 - code if code < 0 else code,
-             f'error: replica process {pid} {cause}; ended the other replicas')
+  if ended:  # The line and the code are the kit's own (the launcher's watch in utils.py).
+    _end_run(*utils.replica_ended(ended))
 
 
 def _end_run(code, message):

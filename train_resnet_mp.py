@@ -87,7 +87,6 @@ import torch_xla.distributed.parallel_loader as pl
 import torch_xla.runtime as xr
 import torch_xla.test.test_utils as test_utils
 import torch_xla.utils.utils as xu
-import torchvision
 from torch.utils.tensorboard import SummaryWriter
 from torchvision.transforms import v2
 
@@ -127,17 +126,16 @@ def build_datasets(cfg):
   if not cfg.datadir:
     raise utils.UsageError('give --datadir DIR (DIR/train/CLASS/*.jpg, DIR/val/CLASS/*.jpg) '
                            'or --fake_data')
-  if supervisor:  # Their layout, empty classes, links that reach an image twice: one line.
+  if supervisor:  # Links that reach an image twice, classes that differ: one line.
     supervisor.check_image_folders(cfg.datadir, ('train', 'val'))
-  # torchvision's ImageNet crops on uint8 tensors (utils.load_image: JPEGs by libjpeg-turbo): a
-  # quarter of float32's bytes go to the replica and the device, which normalises them. The
-  # evaluation resize is 256/224 of the crop, as torchvision's references do at 224 px.
-  train_set = torchvision.datasets.ImageFolder(
-      os.path.join(cfg.datadir, 'train'), loader=utils.load_image,
-      transform=v2.Compose([v2.RandomResizedCrop(cfg.img_dim), v2.RandomHorizontalFlip()]))
-  val_set = torchvision.datasets.ImageFolder(
-      os.path.join(cfg.datadir, 'val'), loader=utils.load_image,
-      transform=v2.Compose([v2.Resize(cfg.img_dim * 256 // 224), v2.CenterCrop(cfg.img_dim)]))
+  # torchvision's ImageNet crops on uint8 tensors (utils.image_folder: torchvision's ImageFolder,
+  # JPEGs decoded by libjpeg-turbo; a missing or empty folder is one line): a quarter of
+  # float32's bytes go to the replica and the device, which normalises them. The evaluation
+  # resize is 256/224 of the crop, as torchvision's references do at 224 px.
+  train_set = utils.image_folder(cfg.datadir, 'train', transform=v2.Compose([
+      v2.RandomResizedCrop(cfg.img_dim), v2.RandomHorizontalFlip()]))
+  val_set = utils.image_folder(cfg.datadir, 'val', transform=v2.Compose([
+      v2.Resize(cfg.img_dim * 256 // 224), v2.CenterCrop(cfg.img_dim)]))
   return train_set, val_set, len(train_set.classes)
 
 
@@ -154,6 +152,8 @@ def load_data(cfg, rank, world_size):
     return (fake(cfg.batch_size, FAKE_TRAIN_SAMPLES),
             fake(cfg.test_set_batch_size, FAKE_TEST_SAMPLES), FAKE_CLASSES)
   train_set, test_set, num_classes = build_datasets(cfg)
+  if cfg.num_workers and torch.multiprocessing.get_start_method() == 'spawn':  # A replica's
+    utils.check_picklable(dict(training=train_set, evaluation=test_set))  # workers pickle them.
   # The order is a function of (seed, epoch) and each image is cropped by its own seed, so a
   # resumed run sees the very batches an uninterrupted one would.
   sampler = utils.EpochSampler(train_set, rank, world_size, cfg.seed, cfg.batch_size)

@@ -69,17 +69,21 @@ flags.DEFINE_integer('num_cores', None, '1: one process, to debug (unset: one pe
                      lower_bound=1, upper_bound=1)
 flags.DEFINE_integer('batch_size', 128, 'Training batch size of each replica.', lower_bound=1)
 flags.DEFINE_integer('test_set_batch_size', 64, 'Evaluation batch size of each replica.', lower_bound=1)
-flags.DEFINE_integer('num_epochs', 30, 'Number of epochs.', lower_bound=1)
+flags.DEFINE_integer('num_epochs', None, 'Number of epochs (default: the recipe\'s, 30 for CIFAR-10, '
+                     '18 for ImageNet).', lower_bound=1)
 flags.DEFINE_integer('num_steps', None, 'Cap on training and evaluation steps per epoch.', lower_bound=1)
 flags.DEFINE_integer('log_steps', 20, 'Print a training line every this many steps.', lower_bound=1)
-flags.DEFINE_float('lr', 0.1, 'Peak learning rate (SGD).', lower_bound=0.0)
-flags.DEFINE_enum('lr_scheduler_type', 'none', ['WarmupAndExponentialDecayScheduler', 'none'],
-                  'Linear warm-up, then division every N epochs; or a constant rate.')
+flags.DEFINE_float('lr', None, 'Peak learning rate (SGD; default: the recipe\'s, 0.5 for resnet50 '
+                   'above 32 px, else 0.1).', lower_bound=0.0)
+flags.DEFINE_enum('lr_scheduler_type', None, ['WarmupAndExponentialDecayScheduler', 'none'],
+                  'Linear warm-up, then division every N epochs; or a constant rate (default: '
+                  'the recipe\'s, WarmupAndExponentialDecayScheduler for resnet50 above 32 px).')
 flags.DEFINE_float('lr_warmup_epochs', 0.9, 'Epochs of linear warm-up from 0.', lower_bound=0.0)
 flags.DEFINE_integer('lr_scheduler_divide_every_n_epochs', 20, 'LR division period.', lower_bound=1)
 flags.DEFINE_float('lr_scheduler_divisor', 5, 'What the LR is divided by.', lower_bound=1.0)
 flags.DEFINE_float('momentum', 0.9, 'SGD momentum.', lower_bound=0.0)
-flags.DEFINE_float('weight_decay', 5e-4, 'SGD weight decay (the usual CIFAR value).', lower_bound=0.0)
+flags.DEFINE_float('weight_decay', None, 'SGD weight decay (default: the recipe\'s, 5e-4 for '
+                   'CIFAR-10, 1e-4 for ImageNet).', lower_bound=0.0)
 flags.DEFINE_integer('seed', 42, 'Seed of the weights, the shard order, the shuffle and the crops.')
 flags.DEFINE_integer('num_workers', 4, 'DataLoader worker processes per replica.', lower_bound=0)
 flags.DEFINE_integer('prefetch_factor', None, 'Batches each loader worker loads ahead.', lower_bound=1)
@@ -162,6 +166,17 @@ DOWN_AFTER = 2  # shards in a row that their server failed: it is down, and the 
 # What a shard that cannot be read raises (a truncated or corrupt tar or compression, a disk
 # error, a pipe: command that failed); anything else is a bug in the code, and a traceback.
 DATA_ERRORS = (tarfile.TarError, ValueError, EOFError, OSError, lzma.LZMAError, zlib.error)
+# What the flags not given come from: CIFAR-10's usual recipe at its 32 px and below; above, the
+# image-folder scripts' ImageNet recipe (their defaults), upstream's tuned one for resnet50 (as
+# train_resnet_mp.py chooses it).
+CIFAR_RECIPE = dict(lr=0.1, lr_scheduler_type='none', weight_decay=5e-4, num_epochs=30)
+IMAGENET_RECIPE = dict(lr=0.1, lr_scheduler_type='none', weight_decay=1e-4, num_epochs=18)
+MODEL_RECIPES = {'resnet50': dict(lr=0.5, lr_scheduler_type='WarmupAndExponentialDecayScheduler')}
+NO_TEST_SAMPLE = 'no test sample was read (see the warnings above): no accuracy'
+# Flags that decide an epoch's stream of batches: a resume with another value warns. (The
+# loader workers deal the shards among them.)
+BATCH_FLAGS = ('wds_traindir', 'trainsize', 'batch_size', 'seed', 'num_steps', 'img_dim',
+               'shuffle_buffer', 'num_workers')
 # Flags of the image-folder scripts that a user may bring here.
 ELSEWHERE = {'datadir': 'give the shards with --wds_traindir and --wds_testdir (see '
                         'make_cifar_shards.py); --datadir belongs to the image-folder scripts',
@@ -479,21 +494,22 @@ class TrainShards(torch.utils.data.IterableDataset):
   batch_size, shuffle_buffer, img_dim, num_classes, seed, fail_on_bad_data). A worker whose
   shards run out reads them again until the epoch has its batches: every replica runs the
   same steps. The loader workers live through the run (spawned by a replica, each costs
-  seconds), so the epoch and first step, and each worker's counts of bad data and re-read
-  samples, are in shared memory."""
+  seconds), so the epoch and first step, and each worker's counts of bad data, re-read
+  samples and samples its shards lack, are in shared memory."""
 
   def __init__(self, urls, rank, world_size, batches, cfg):
     self.urls, self.rank, self.world_size, self.batches, self.cfg = urls, rank, world_size, batches, cfg
     self.views = Views(cfg.img_dim)
     self.epoch_and_step = torch.zeros(2, dtype=torch.int64).share_memory_()
-    self.counts = torch.zeros(max(1, cfg.num_workers), 2, dtype=torch.int64).share_memory_()
+    self.counts = torch.zeros(max(1, cfg.num_workers), 3, dtype=torch.int64).share_memory_()
 
   def set_epoch(self, epoch, first_step=0):
     self.epoch_and_step[:] = torch.tensor([epoch, first_step])
     self.counts.zero_()
 
   def read_counts(self):
-    """(bad shards or samples skipped, samples read twice) in this epoch so far."""
+    """(bad shards or samples skipped, samples read twice, samples the shards lack of what
+    --trainsize says) in this epoch so far."""
     return self.counts.sum(0).tolist()
 
   def shards(self, epoch, worker, num_workers):
@@ -505,11 +521,13 @@ class TrainShards(torch.utils.data.IterableDataset):
     random.Random(f'{self.cfg.seed}/{epoch}').shuffle(order)
     return order[self.rank::self.world_size][worker::num_workers]
 
-  def samples(self, shards, rng, on_bad):
+  def samples(self, shards, rng, on_bad, worker):
     """The samples of the shards (see read_samples) with the pass, pass after pass, each pass
     in a new shard order and shuffled in a buffer of its own: every sample once before any
     twice. The buffer holds them undecoded (ImageNet's JPEGs: 110 KB each, a tenth of their
-    pixels); it sends one for every two it reads until full, starting once it holds a batch."""
+    pixels); it sends one for every two it reads until full, starting once it holds a batch.
+    Shards that hold a shard's worth less than their share of --trainsize are counted: a
+    short last shard is the writer's way, fewer is a wrong --trainsize or lost data."""
     for pass_number in itertools.count():
       shuffle = wds.shuffle(self.cfg.shuffle_buffer, initial=self.cfg.batch_size, rng=rng)
       read = 0
@@ -518,7 +536,11 @@ class TrainShards(torch.utils.data.IterableDataset):
         read += 1
         yield *sample, pass_number
       if read == 0:
-        raise utils.BadDataError(f'no readable sample in shards {shards}')
+        raise utils.BadDataError(f'no readable sample in {plural(len(shards), "shard")} '
+                                 f'({shards[0]}, ...): see the warnings above')
+      lacking = self.cfg.trainsize * len(shards) / len(self.urls) - read
+      if pass_number == 0 and lacking > self.cfg.trainsize / len(self.urls):
+        self.counts[worker, 2] = round(lacking)
 
   def __iter__(self):
     worker, num_workers = worker_share()
@@ -535,7 +557,7 @@ class TrainShards(torch.utils.data.IterableDataset):
       yield None
     rng = random.Random(f'{seed}/{epoch}/{self.rank}/{worker}')  # Shard order and shuffle.
     batches = wds.batched(self.cfg.batch_size, collation_fn=None, partial=False)(
-        self.samples(self.shards(epoch, worker, num_workers), rng, bad))
+        self.samples(self.shards(epoch, worker, num_workers), rng, bad, worker))
     for number, batch in enumerate(itertools.islice(batches, share), 1):
       self.counts[worker, 1] += sum(sample[-1] > 0 for sample in batch)  # Read a second time.
       if number <= skip:
@@ -606,8 +628,9 @@ def load_data(cfg, rank, world_size):
   feeders = world_size * max(1, cfg.num_workers)
   if len(train_urls) < feeders:
     raise utils.UsageError(
-        f'{len(train_urls)} training shards cannot feed {world_size} replicas x '
-        f'{max(1, cfg.num_workers)} loader workers (each needs a shard of its own): write more, '
+        f'{plural(len(train_urls), "training shard")} cannot feed {plural(world_size, "replica")} '
+        f'x {plural(max(1, cfg.num_workers), "loader worker")} (each needs a shard of its own): '
+        'write more, '
         'smaller shards (make_cifar_shards.py --samples_per_shard) or lower --num_workers')
   steps = cfg.trainsize // (cfg.batch_size * world_size)
   if steps == 0:
@@ -698,8 +721,8 @@ def start_run(cfg, steps_per_epoch, stop_signal):
                         stop_signal=stop_signal, steps_per_epoch=steps_per_epoch,
                         results=results, num_classes=cfg.num_classes, epoch=1, step=0,
                         global_step=0)
-  state = utils.resume(cfg.resume, cfg.ckpt_dir, (model, optimizer, scheduler),
-                             vars(cfg), run.results['world_size'])
+  state = utils.resume(cfg.resume, cfg.ckpt_dir, (model, optimizer, scheduler), vars(cfg),
+                       run.results['world_size'], BATCH_FLAGS)
   if state is not None:
     vars(run).update({key: state[key] for key in ('results', 'epoch', 'step', 'global_step')})
   run.log = utils.StepLog(device, writer, run.results['history'])  # After the restore.
@@ -799,7 +822,7 @@ def end_epoch(run, epoch, accuracy, counts):
   results['compilations_after_epoch'].append(utils.compile_count())
   test_utils.write_to_summary(run.log.writer, epoch, {'Accuracy/test': accuracy})
   utils.check_learning(results['history'], epoch, run.num_classes, run.cfg.lr,
-                       FLAGS['lr'].default)
+                       recipe(run.cfg.img_dim, run.cfg.model)[1]['lr'])
   if run.cfg.metrics_debug:
     xm.master_print(met.metrics_report(), flush=True)
   saved = save_checkpoint(run, epoch + 1, 0, best=best) if run.cfg.ckpt_dir else None
@@ -837,7 +860,7 @@ def train(cfg, stop_signal):
       run.log.flush()  # Its lines before the epoch's.
       seconds = time.time() - start
       results['train_seconds'] += seconds
-      count_data(results, train_loader.order.read_counts(), epoch, rank)
+      count_data(results, train_loader.order.read_counts(), epoch, rank, cfg.trainsize)
       if stopped:
         return stop_run(run, epoch, first_step + steps)
       print(f'Epoch {epoch} Replica Train Samples={steps * cfg.batch_size} Device={device}/{rank}',
@@ -849,8 +872,8 @@ def train(cfg, stop_signal):
       accuracy, *counts = evaluate(run.model, test_device_loader, cfg)
       test_loader.check()
       count_test_data(cfg, int(test_loader.loader.dataset.counts.sum()), counts[1], epoch, rank)
-      xm.master_print(f'Epoch {epoch} test end {test_utils.now()}, Accuracy={accuracy:.2f}',
-                      flush=True)
+      xm.master_print(f'Epoch {epoch} test end {test_utils.now()}, ' + (
+          f'Accuracy={accuracy:.2f}' if counts[1] else NO_TEST_SAMPLE), flush=True)
       stop, saved = end_epoch(run, epoch, accuracy, counts)
       if stop:
         return stop_run(run, epoch + 1, 0, saved)
@@ -859,14 +882,17 @@ def train(cfg, stop_signal):
                               run.log.writer)
 
 
-def count_data(results, counts, epoch, rank):
-  """Adds an epoch's bad data skipped and samples read twice to the results; says so."""
-  bad, repeated = counts
+def count_data(results, counts, epoch, rank, trainsize):
+  """Adds an epoch's bad data skipped and samples read twice to the results; says so, and
+  shards that lack samples of what --trainsize says."""
+  bad, repeated, lacking = counts
   results['skipped_bad_data'] += bad
   results['repeated_samples'] += repeated
-  if repeated:
-    print(f'Epoch {epoch} Replica {rank}: its shards ran out; {repeated} samples were read a '
-          'second time to run the same steps as every replica', flush=True)
+  if lacking:
+    print(f'warning: epoch {epoch} replica {rank}: its shards lack about {lacking} samples of its '
+          f'share of --trainsize {trainsize}; {repeated} were read a second time to run the same '
+          'steps as every replica: give --trainsize the number the shards hold', file=sys.stderr,
+          flush=True)
   if bad:
     print(f'Epoch {epoch} Replica {rank}: skipped {bad} bad shards or samples', flush=True)
 
@@ -896,23 +922,33 @@ def _mp_fn(index, flag_values):
 def main(argv):
   del argv
   cfg = SimpleNamespace(**FLAGS.flag_values_dict())
+  recipe_name, settings = recipe(cfg.img_dim, cfg.model)
+  for name, value in settings.items():
+    if getattr(cfg, name) is None:
+      setattr(cfg, name, value)
   utils.set_precision(cfg.amp, cfg.bf16)  # Before the runtime starts.
   try:
     if supervisor:  # Checked here, once, before any replica starts: bad input is one line, not N.
       cfg.num_workers = supervisor.usable_workers(cfg.num_workers, FLAGS['num_workers'].present)
       found = {flag: supervisor.check_shards(flag, getattr(cfg, flag), cfg.fail_on_bad_data)
                for flag in ('wds_traindir', 'wds_testdir')}
-    classes = None if cfg.num_classes else shard_classes(cfg.wds_traindir)
+    classes = shard_classes(cfg.wds_traindir)
+    if classes and cfg.num_classes and cfg.num_classes > len(classes):  # Fewer: labels past it.
+      print(f'warning: --num_classes {cfg.num_classes} is more than the {len(classes)} classes of '
+            'the classes file beside the training shards: the model gets outputs that no label '
+            'asks for', file=sys.stderr, flush=True)
     cfg.num_classes = cfg.num_classes or (len(classes) if classes else CIFAR_CLASSES)
     if supervisor:
       for flag, urls in found.items():
         if urls:
-          supervisor.check_format(flag, urls[0], lambda sample: decode(*parse(
-              sample, cfg.num_classes)[:2]), ForeignSample)
+          supervisor.check_format(
+              flag, urls[0], lambda sample: decode(*parse(sample, cfg.num_classes)[:2]),
+              ForeignSample, lambda url: open_shard(url, cfg.read_timeout))
       print(describe_data(cfg, classes))
       print(supervisor.describe_model(cfg.model, build_model(cfg, cfg.num_classes), cfg.num_classes))
       given = {name for name in FLAGS if FLAGS[name].present}
-      print(supervisor.describe_recipe(cfg, supervisor.recipe_source(given, None, {})), flush=True)
+      print(supervisor.describe_recipe(cfg, supervisor.recipe_source(given, recipe_name, settings)),
+            flush=True)
       supervisor.check_outputs(cfg.ckpt_dir, cfg.logdir, cfg.results_json, cfg.compile_cache_dir)
   except utils.UsageError as e:
     utils.die(e)
@@ -926,6 +962,15 @@ def main(argv):
     torch_xla.launch(_mp_fn, args=(vars(cfg),), debug_single_process=cfg.num_cores == 1)
 
 
+def recipe(img_dim, model):
+  """(name, settings) of the recipe that the flags not given come from (see CIFAR_RECIPE)."""
+  if img_dim <= CIFAR_SIDE:
+    return "CIFAR-10's recipe", CIFAR_RECIPE
+  if model in MODEL_RECIPES:
+    return f"{model}'s tuned ImageNet recipe", {**IMAGENET_RECIPE, **MODEL_RECIPES[model]}
+  return 'the ImageNet recipe', IMAGENET_RECIPE
+
+
 def describe_data(cfg, classes):
   """The Data line: what the run trains on."""
   train, test = (len(list(braceexpand.braceexpand(pattern)))
@@ -934,8 +979,13 @@ def describe_data(cfg, classes):
   source = ('--num_classes' if FLAGS['num_classes'].present else
             'the classes file beside the training shards' if classes else
             "CIFAR-10's; give --num_classes for other shards")
-  return (f'Data: {cfg.trainsize:,} training samples in {train} shards and {test_samples} in '
-          f'{test}, at 3x{cfg.img_dim}x{cfg.img_dim} uint8, {cfg.num_classes} classes ({source})')
+  return (f'Data: {cfg.trainsize:,} training samples in {plural(train, "shard")} and '
+          f'{test_samples} in {test}, at 3x{cfg.img_dim}x{cfg.img_dim} uint8, {cfg.num_classes} '
+          f'classes ({source})')
+
+
+def plural(count, noun):
+  return f'{count} {noun}' + ('' if count == 1 else 's')
 
 
 def run(argv):

@@ -21,10 +21,13 @@ import re
 import signal
 import sys
 import threading
+import time
 import traceback
+import types
 import zipfile
 
 import fsspec
+import fsspec.implementations.local
 import numpy as np
 import torch
 import torch.distributed
@@ -50,6 +53,8 @@ INTERRUPT = os.environ.get('INTERRUPT_NAME', 'Ctrl-C')
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)  # as torchvision's
 CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)  # CIFAR-10's train
 CHECKPOINT = re.compile(r'^ckpt-(\d+)\.pt$')
+# Flags that decide an epoch's batches: a resume with another value warns (see resume).
+BATCH_FLAGS = ('datadir', 'fake_data', 'batch_size', 'seed', 'num_steps', 'img_dim', 'drop_last')
 CHECKPOINT_KEYS = ('model', 'optimizer', 'lr_scheduler', 'epoch', 'step', 'global_step', 'rng',
                    'flags', 'results')
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -80,8 +85,20 @@ SAID = (UsageError, BadDataError, OSError)
 
 
 def die(message, code=2):
+  """Ends this process with one `error:` line, the last it prints (see last_line)."""
+  last_line()
   print(f'error: {message}', file=sys.stderr, flush=True)
   sys.exit(code)
+
+
+def last_line():
+  """What this process prints from now on is its `error:` line: the lines its threads print
+  later (the log's last steps, say) go nowhere, not after it (into one file, with stderr)."""
+  sys.stdout.flush()
+  try:
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+  except (AttributeError, ValueError, io.UnsupportedOperation):  # Not a file (pytest's, say).
+    pass
 
 
 def parse_flags(argv, elsewhere=None):
@@ -133,6 +150,25 @@ def use_compile_cache(cache_dir, process=None):
                                                                         f'process-{process}'))
 
 
+class _WorkerPickle(pickle.Pickler):
+  """What a loader worker started by spawn is sent of a dataset, but for its tensors and arrays
+  (taken as they are: only whether it can be sent is asked, not what it weighs)."""
+  dispatch_table = {torch.Tensor: lambda tensor: (tuple, ()), np.ndarray: lambda array: (tuple, ())}
+
+
+def check_picklable(datasets):
+  """Loader workers started by spawn (a replica's) get each dataset ({name: dataset}) pickled:
+  a class defined inside a function (or a lambda transform) cannot be, which would be a
+  traceback from deep inside multiprocessing. Said in one line instead."""
+  for name, dataset in datasets.items():
+    try:
+      _WorkerPickle(types.SimpleNamespace(write=len)).dump(dataset)  # Written nowhere.
+    except Exception as e:  # pickle.PicklingError, AttributeError (a local class), TypeError
+      raise UsageError(f'build_datasets: the {name} set ({type(dataset).__name__}) cannot be '
+                       f'sent to loader worker processes ({e}): define its class (and any '
+                       'function it holds) at module level, or give --num_workers 0') from None
+
+
 def create_model(name, num_classes):
   """A torchvision classifier with fresh weights (nothing is downloaded)."""
   if name not in torchvision.models.list_models(torchvision.models):
@@ -181,6 +217,35 @@ def decode_image(data):
     raise ValueError('not an image file') from None
   except OSError as e:  # Truncated files; a mode PIL cannot make RGB is a ValueError.
     raise ValueError(str(e)) from None
+
+
+def image_folder(root, split, transform=None, splits=('train', 'val')):
+  """torchvision's ImageFolder of root/split, its files read by load_image (those named as
+  IMAGE_FILES), or a UsageError when it is not a folder of class folders of images (splits:
+  what root must hold, for the line)."""
+  folder = os.path.join(root, split)
+  if not os.path.isdir(folder):
+    raise UsageError(f'{folder} is not a folder: {root} needs {" and ".join(splits)} with one '
+                     f'folder of images per class ({folder}/CLASS/x.jpg)')
+  try:
+    dataset = torchvision.datasets.ImageFolder(folder, transform, loader=load_image,
+                                               is_valid_file=is_image_file, allow_empty=True)
+  except FileNotFoundError:
+    raise UsageError(f'{folder} has no class folders: put the images of each class in '
+                     f'{folder}/CLASS_NAME/') from None
+  empty = sorted(set(dataset.classes) - {dataset.classes[label] for label in dataset.targets})
+  if empty:
+    raise UsageError(f'class folder {os.path.join(folder, empty[0])} has no images '
+                     f'({" ".join(IMAGE_FILES)}): add images or remove the folder')
+  return dataset
+
+
+# torchvision's image files, and GIFs (their first frame: PIL's, as decode_image reads them).
+IMAGE_FILES = torchvision.datasets.folder.IMG_EXTENSIONS + ('.gif',)
+
+
+def is_image_file(path):
+  return path.lower().endswith(IMAGE_FILES)
 
 
 def normalize(images, mean=IMAGENET_MEAN, std=IMAGENET_STD):
@@ -276,6 +341,10 @@ class EpochLoader:
   def __iter__(self):
     self.error = None
     if self.first_step >= self.num_batches:
+      if self.first_step:  # A resume after a flag that decides the batches changed.
+        xm.master_print(f'warning: the run resumed after step {self.first_step} of an epoch that '
+                        f'has {self.num_batches} step{"s" * (self.num_batches != 1)} now: it '
+                        'trains none of them; the epoch ends here', fd=sys.stderr, flush=True)
       return  # Without starting loader workers for nothing.
     try:  # islice: no batch past the cap is asked for (or read, or counted).
       batches = (batch for batch in self.loader if batch is not None)
@@ -410,9 +479,14 @@ def write_results(path, results):
 
 
 def write_atomically(data, url):
-  """Writes bytes under a temporary name and renames: a kill mid-write leaves the old file,
-  and a failed write (a full disk) removes its temporary."""
+  """Writes bytes so that no reader sees them half-written: a local file under a temporary
+  name, then renamed (a kill mid-write leaves the old file, a failed write such as a full
+  disk removes its temporary); to a bucket in one upload, which it shows only once whole (a
+  rename there is a copy, and gcsfs may try its move API for half a minute first)."""
   fs, path = fsspec.core.url_to_fs(url)
+  if not isinstance(fs, fsspec.implementations.local.LocalFileSystem):
+    fs.pipe_file(path, data)
+    return
   if os.path.dirname(path):
     fs.makedirs(os.path.dirname(path), exist_ok=True)  # A new --ckpt_dir, say.
   temporary = f'{path}.tmp{os.getpid()}'
@@ -532,14 +606,21 @@ def check_same_model(model, state, path):
                      'that run, or another --ckpt_dir')
 
 
-def resume(resume_path, ckpt_dir, training, flag_values, world_size):
+def resume(resume_path, ckpt_dir, training, flag_values, world_size, batch_flags=BATCH_FLAGS):
   """Restores training = (model, optimizer, scheduler or None) and the RNGs from the checkpoint
   find_checkpoint chose and returns it (or None), with the --lr, --momentum and --weight_decay
   given now (the way out of a run that diverged); warns if the checkpoint's run had another
-  number of devices (world_size)."""
+  number of devices (world_size), or other values of the batch_flags."""
   path, state = find_checkpoint(resume_path, ckpt_dir)
   if state is None:
     return None
+  where = f'epoch {state["epoch"]} goes on from step {state["step"]}'
+  for name in batch_flags:
+    if name in state['flags'] and state['flags'][name] != flag_values.get(name):
+      xm.master_print(f'warning: --{name} is {flag_values.get(name)} now, {state["flags"][name]} '
+                      f'in the run of {path}: {where} with other batches than that run would '
+                      'have trained (give its value to train as it would)', fd=sys.stderr,
+                      flush=True)
   model, optimizer, scheduler = training
   check_same_model(model, state, path)
   model.load_state_dict(state['model'])
@@ -637,14 +718,66 @@ def stop_on_signals(launcher=False):
 
 @contextlib.contextmanager
 def _replica_death_said():
-  """A replica process that died (killed, or still importing when a signal came) is one line
-  and an exit code, not the traceback of torch_xla.launch's process pool."""
+  """In the launcher, around torch_xla.launch: a replica process that ends with an error or a
+  signal (killed, or still importing when a stop came) ends the run at once, with one line
+  and its code (see replica_ended), not the traceback of torch_xla.launch's process pool."""
+  threading.Thread(target=_end_the_others, daemon=True).start()
   try:
     yield
   except concurrent.futures.process.BrokenProcessPool:
-    code = record_stop({}, stop_signal(), 0)[1] if stop_signal() else 1
-    die('a replica process ended abruptly (killed, or see its lines above); nothing was saved '
-        'since the last checkpoint', code)
+    for _ in range(50):  # Its exit code, once the pool has reaped it.
+      if _first_ended or _ended_replicas():
+        code, line = replica_ended(_first_ended or _ended_replicas())
+        if line:
+          print(line, file=sys.stderr if line.startswith('error:') else sys.stdout, flush=True)
+        sys.exit(code)
+      time.sleep(0.1)
+    die('a replica process ended abruptly (see its lines above); nothing was saved since the '
+        'last checkpoint', 1)
+
+
+def _end_the_others():
+  """Kills the other replicas once one has ended with an error or a signal: torch_xla.launch's
+  pool, broken, sends them SIGTERM (a stop, to them) and waits for them, while they wait for
+  the one that is gone in their next collective, so on a host of several replicas the run
+  would never end (pytorch/xla#7974). Their loader workers see it within 5 s (torch's
+  watchdog)."""
+  while not _first_ended:
+    _first_ended.extend(_ended_replicas())
+    time.sleep(0.1)
+  for process in multiprocessing.active_children():
+    process.kill()
+
+
+_replicas = {}  # pid: multiprocessing.Process of every replica this launcher started.
+_first_ended = []  # What _ended_replicas found first: the others are then killed.
+
+
+def _ended_replicas():
+  """[(pid, exit code)] of this launcher's replica processes that ended with an error or a
+  signal (-N for signal N)."""
+  for process in multiprocessing.active_children():  # The pool's, started or starting.
+    _replicas.setdefault(process.pid, process)
+  return [(pid, process.exitcode) for pid, process in _replicas.items()
+          if process.exitcode not in (None, 0)]
+
+
+def replica_ended(ended):
+  """(exit code, line or None: the replica said why) of a run whose replica processes ended
+  thus, [(pid, exit code: -N for signal N)]: first the one that said why in its `error:`
+  line, last those the broken pool ended with SIGTERM (replicas still importing have no
+  handler for it yet)."""
+  pid, code = min(ended, key=lambda ended: (ended[1] != 2, ended[1] == -signal.SIGTERM))
+  if code == 2:
+    return 2, None
+  if stop_signal():  # During a stop: one still importing dies of the signal, say.
+    name, stop_code = record_stop({}, stop_signal(), 0)
+    return stop_code, (f'Stopped by {name}: replica process {pid} ended before it saved anything; '
+                       'run the same command to go on from the last checkpoint (exit code '
+                       f'{stop_code})')
+  cause = f'was killed by {signal.Signals(-code).name}' if code < 0 else f'failed (exit code {code})'
+  return (128 - code if code < 0 else code,
+          f'error: replica process {pid} {cause}; ended the other replicas')
 
 
 def _pass_on(signum, frame):
@@ -779,12 +912,11 @@ def replica():
   """Around a replica's work (in _mp_fn): the replica exits when its launcher is gone (one
   killed by SIGKILL cannot stop its replicas, which would hold the TPU), and an exception
   ends it at once after one `error:` line (exit code 2) or, for a bug, a traceback (exit
-  code 1), so that the launcher sees it and ends the others, which would wait in their
-  next collective forever (pytorch/xla#7974)."""
+  code 1), so that the launcher sees it and ends the run: the others, which would wait in
+  their next collective forever (pytorch/xla#7974), end with their launcher."""
   launcher = multiprocessing.parent_process()
   if launcher is not None:
-    threading.Thread(target=lambda: launcher.join() or os._exit(128 + signal.SIGKILL),
-                     daemon=True).start()
+    threading.Thread(target=_end_with, args=(launcher,), daemon=True).start()
   try:
     yield
   except Exception as error:
@@ -793,14 +925,19 @@ def replica():
     end_loader_workers()
 
 
+def _end_with(launcher):
+  """Ends this replica and its loader workers once its launcher is gone: killed by SIGKILL,
+  or ended the run for another replica that failed, which this one may be waiting for."""
+  launcher.join()
+  end_loader_workers()
+  os._exit(128 + signal.SIGKILL)
+
+
 def replica_failed(error):
   """Ends this replica at once, saying why (see replica). A replica alone in its run exits
   through SystemExit, which torch_xla.launch hands to the launcher: its code is the run's."""
   said = isinstance(error, SAID)
-  # The error is the last thing of this replica a user reads: its log thread may still be
-  # printing the last steps' lines.
-  sys.stdout.flush()
-  os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+  last_line()  # Its log thread may still be printing the last steps' lines.
   if said:
     where = f'replica {xr.global_ordinal()}: ' if xr.world_size() > 1 else ''
     print(f'error: {where}{error}', file=sys.stderr, flush=True)

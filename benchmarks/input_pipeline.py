@@ -154,7 +154,7 @@ def shard_loader(urls, count, workers, img_dim=32, num_classes=10, seed=0):
   shards = train_wds_cifar.TrainShards(urls, 0, 1, batches, SimpleNamespace(
       batch_size=FLAGS.batch_size, shuffle_buffer=count, img_dim=img_dim,
       num_classes=num_classes, seed=seed, fail_on_bad_data=True, num_workers=workers,
-      read_timeout=20))
+      read_timeout=20, trainsize=count))
   # Workers live through the passes, as through the epochs of the training scripts.
   return utils.EpochLoader(torch.utils.data.DataLoader(
       shards, batch_size=None, num_workers=workers, persistent_workers=workers > 0), batches,

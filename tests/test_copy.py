@@ -20,6 +20,7 @@ import pytest
 
 from conftest import (REPO, assert_nothing_left, assert_one_error,
                       read_json, script_env, training_losses, wait_for)
+from test_faults import REPLICA_ENDS, run_replica_pool
 
 KITS = ['train_resnet_mp.py', 'train_resnet_spmd.py', 'train_single_core.py', 'train_wds_cifar.py']
 OPTIONAL = {'supervisor', 'command'}
@@ -165,12 +166,14 @@ def test_readme_adapt_it_example_learns_in_a_project_with_its_own_utils(tmp_path
   assert check.stdout.strip() == "the project's own utils"
 
 
-def test_a_dataset_loader_workers_cannot_receive_is_one_line_before_any_replica(tmp_path):
+@pytest.mark.parametrize('kit', ['with supervisor.py', 'alone'])
+def test_a_dataset_loader_workers_cannot_receive_is_one_line(tmp_path, kit):
   # A dataset class defined inside build_datasets, as one writes it at first: replicas start
-  # their loader workers by spawn, which must pickle it, and cannot.
+  # their loader workers by spawn, which must pickle it, and cannot. Said before any replica
+  # starts with supervisor.py, by the replica without it.
   project = tmp_path / 'project'
   project.mkdir()
-  for name in ['utils.py', 'supervisor.py']:
+  for name in ['utils.py', 'supervisor.py'][:2 if kit == 'with supervisor.py' else 1]:
     (project / name).write_text((REPO / name).read_text())
   source = (REPO / 'train_resnet_mp.py').read_text()
   start = source.index('def build_datasets(')
@@ -188,12 +191,12 @@ def test_a_dataset_loader_workers_cannot_receive_is_one_line_before_any_replica(
       ''')
   (project / 'train.py').write_text(source[:start] + local_class + source[end:])
   argv = [sys.executable, 'train.py', '--model', 'resnet18', '--batch_size', 8, '--num_epochs', 1]
-  result = subprocess.run(list(map(str, argv + ['--num_workers', 1])), cwd=project,
+  result = subprocess.run(list(map(str, argv + ['--num_workers', 2])), cwd=project,
                           env=script_env(), capture_output=True, text=True, timeout=300)
   assert_one_error(result, 2, r"^error: build_datasets: the training set \(Colours\) cannot be "
                    r"sent to loader worker processes \(.*build_datasets\.<locals>\.Colours.*\): "
                    r'define its class .* at module level, or give --num_workers 0$')
-  assert 'Starting' not in result.stdout, result.stdout  # Before any replica.
+  assert ('Starting' in result.stdout) == (kit == 'alone'), result.stdout
 
 
 def kit_args(script, tmp_path):
@@ -254,7 +257,19 @@ def test_kit_alone_ends_a_diverging_run_and_a_replica_says_a_bad_path_in_one_lin
   missing = start_in(tmp_path / 'mp', 'train_resnet_mp.py', '--datadir', tmp_path / 'nowhere',
                      '--model', 'resnet18', '--img_dim', 16)
   out, _ = missing.communicate(timeout=600)
-  assert_one_error((missing.returncode, out), 2, r'^error: .*nowhere/train')
+  assert_one_error((missing.returncode, out), 2, r'^error: \S+/nowhere/train is not a folder: '
+                   r'\S+/nowhere needs train and val with one folder of images per class')
+
+
+@pytest.mark.parametrize('how,code,line', REPLICA_ENDS, ids=[how for how, *_ in REPLICA_ENDS])
+def test_kit_alone_ends_every_replica_of_a_host_when_one_fails(tmp_path, how, code, line):
+  # On a TPU host of several replicas, the others would wait for it forever in their next
+  # collective (pytorch/xla#7974); here one waits as they would (see tests/replica_pool.py).
+  project = tmp_path / 'project'
+  copy_kit('train_resnet_mp.py', project)
+  code_seen, out, seconds = run_replica_pool(project, how, 'kit')
+  assert_one_error((code_seen, out), code, line)
+  assert seconds < 10, out
 
 
 def test_grey_images_are_one_line_naming_the_fix_for_an_rgb_model_and_train_with_a_grey_one(

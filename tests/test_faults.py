@@ -8,6 +8,7 @@ import os
 import pickle
 import re
 import resource
+import shutil
 import signal
 import subprocess
 import sys
@@ -268,46 +269,35 @@ def test_shard_writer_mistakes_are_one_line(tmp_path, case):
   assert_one_error(result, 2, message)
 
 
-# Four replica processes in the pool torch_xla.launch uses on a TPU host (a
-# ProcessPoolExecutor with spawn, waited for in order), which XLA:CPU cannot start: one
-# fails while the others wait, as they would in their next collective.
-POOL = '''
-import concurrent.futures, multiprocessing, os, signal, sys, time
-sys.path.insert(0, sys.argv[1])
-import supervisor
-import utils
-
-def replica(index):
-  if index == 2:
-    time.sleep(3)
-    with open('failed_at', 'w') as f:
-      f.write(str(time.time()))
-    if sys.argv[2] == 'fails':
-      utils.replica_failed(utils.BadDataError('cannot read image x.png: replace the file'))
-    os.kill(os.getpid(), signal.SIGKILL)  # As the OOM killer does.
-  time.sleep(600)
-
-if __name__ == '__main__':
-  with supervisor.watched(launcher=True, saving=False):
-    with concurrent.futures.ProcessPoolExecutor(4, multiprocessing.get_context('spawn')) as pool:
-      print(list(pool.map(replica, range(4))))
-'''
-
-
-@pytest.mark.parametrize('how,code,line', [
-    ('fails', 2, r'^error: cannot read image x\.png: replace the file$'),
-    ('is killed', 128 + 9, r'^error: replica process \d+ was killed by SIGKILL; ended the other '
-                           r'replicas$')])
-def test_one_of_four_replica_processes_ending_ends_them_all(tmp_path, how, code, line):
-  (tmp_path / 'pool.py').write_text(POOL)
-  process = subprocess.Popen([sys.executable, str(tmp_path / 'pool.py'), str(REPO), how.split()[-1]],
-                             cwd=tmp_path, env=script_env(), stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
-  while len(replicas(process.pid)) < 4:
-    assert process.poll() is None, process.stdout.read()
-    time.sleep(0.1)
-  out, _ = process.communicate(timeout=120)
-  assert_one_error((process.returncode, out), code, line)
-  # At once (not after the others' sleep), however long the replicas took to import.
-  assert time.time() - float((tmp_path / 'failed_at').read_text()) < 20, out
+def run_replica_pool(folder, how, watch):
+  """tests/replica_pool.py run in folder (which holds utils.py, and supervisor.py for its
+  watch), in a session of its own: replica 1 of 2 fails (`how`) while replica 0 waits for
+  it. Returns (exit code, output, seconds from the failure to the end of the run), once no
+  process of the run is left."""
+  shutil.copy(REPO / 'tests' / 'replica_pool.py', folder)
+  process = subprocess.Popen([sys.executable, 'replica_pool.py', how, watch], cwd=folder,
+                             env=script_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True, start_new_session=True)
+  try:
+    out, _ = process.communicate(timeout=120)
+  except subprocess.TimeoutExpired:
+    os.killpg(process.pid, signal.SIGKILL)
+    raise AssertionError(f'{watch}: the run hangs after a replica {how}: ' + process.communicate()[0])
+  seconds = time.time() - float((folder / 'failed_at').read_text())
+  assert 'replica 0 waits for replica 1' in out, out
   assert_nothing_left(session=process.pid)
+  return process.returncode, out, seconds
+
+
+REPLICA_ENDS = [('fails', 2, r'^error: cannot read image x\.png: replace or remove the file$'),
+                ('killed', 128 + 9, r'^error: replica process \d+ was killed by SIGKILL; ended the '
+                                    r'other replicas$')]
+
+
+@pytest.mark.parametrize('how,code,line', REPLICA_ENDS, ids=[how for how, *_ in REPLICA_ENDS])
+def test_supervisor_ends_every_replica_of_a_host_when_one_fails(tmp_path, how, code, line):
+  for name in ('utils.py', 'supervisor.py'):
+    shutil.copy(REPO / name, tmp_path)
+  code_seen, out, seconds = run_replica_pool(tmp_path, how, 'supervisor')
+  assert_one_error((code_seen, out), code, line)
+  assert seconds < 10, out  # At once, not when the other replica's wait ends (never).

@@ -51,6 +51,18 @@ def test_every_file_reads_as_the_rgb_pixels_pil_gives(tmp_path, name, mode, opti
   assert difference <= (1 if mode == 'CMYK' else 0), difference
 
 
+def test_an_animated_gif_is_read_as_its_first_frame_and_counted_in_its_class(tmp_path):
+  frames = [photo('RGB'), photo('RGB').rotate(180)]
+  (tmp_path / 'train' / 'c').mkdir(parents=True)
+  frames[0].save(tmp_path / 'train' / 'c' / 'moving.gif', save_all=True, append_images=frames[1:])
+  dataset = utils.image_folder(tmp_path, 'train')
+  assert [path.rsplit('/', 1)[1] for path, _ in dataset.samples] == ['moving.gif']
+  with Image.open(tmp_path / 'train' / 'c' / 'moving.gif') as first:
+    assert first.n_frames == 2
+    expected = np.asarray(first.convert('RGB'))  # PIL's first frame
+  assert np.array_equal(dataset[0][0].permute(1, 2, 0).numpy(), expected)
+
+
 @pytest.mark.parametrize('name, cut', [('truncated.jpg', 0.5), ('header-only.jpg', 0.02),
                                        ('noise.jpg', None), ('truncated.png', 0.5)])
 def test_a_file_that_cannot_be_read_is_one_line_naming_it(tmp_path, name, cut):

@@ -2,11 +2,15 @@
 """train_single_core.py end to end on XLA:CPU, as a user runs it."""
 
 import re
+import subprocess
+import sys
 
+import numpy as np
 import pytest
 import torch
+from PIL import Image
 
-from conftest import (assert_one_error, losses, make_image_folder, read_json,
+from conftest import (REPO, assert_one_error, losses, make_image_folder, read_json,
                       readme_command_flags, run_script, script_env, tensorboard_scalars,
                       write_image)
 
@@ -103,7 +107,12 @@ def test_learns_counts_every_val_image_once_and_compiles_only_in_epoch_1(tmp_pat
   # 0.05 the loss leaps (to 38 in epoch 3) and 3 of 12 runs (6 seeds, host and device
   # normalisation) ended at 25% to 75%.
   write_image(colour_folder / 'val' / 'green' / 'red_one.png', (220, 40, 40), 32,
-              __import__('numpy').random.default_rng(3))
+              np.random.default_rng(3))
+  # An animated GIF, its first frame yellow: read (torchvision's ImageFolder skips .gif), and
+  # decoded at start, the last training sample.
+  frames = [Image.new('RGB', (32, 32), colour) for colour in ((230, 220, 40), (30, 60, 220))]
+  frames[0].save(colour_folder / 'train' / 'yellow' / 'zz.gif', save_all=True,
+                 append_images=frames[1:])
   result = run_script(SCRIPT, '--datadir', colour_folder, '--model', 'resnet18', '--img_dim', 32,
                       '--batch_size', 16, '--test_set_batch_size', 4, '--num_epochs', 3,
                       '--lr', 0.005, '--num_workers', 2, '--log_steps', 5,
@@ -114,7 +123,7 @@ def test_learns_counts_every_val_image_once_and_compiles_only_in_epoch_1(tmp_pat
   assert 'is below target' in result.stdout
   results = read_json(tmp_path / 'r.json')
   # What the data is, is said at start, as ImageFolder counts it.
-  assert re.search(r'^Data: 256 training and 21 evaluation samples of 3x32x32 uint8, 4 classes\n'
+  assert re.search(r'^Data: 257 training and 21 evaluation samples of 3x32x32 uint8, 4 classes\n'
                    r'Model: resnet18 .*\nRecipe: SGD, lr 0\.005 constant, momentum 0\.9, weight decay '
                    r"0\.0001 \(--lr as given, the rest the flags' defaults\)$", result.stdout, re.M), \
       result.stdout
@@ -122,7 +131,7 @@ def test_learns_counts_every_val_image_once_and_compiles_only_in_epoch_1(tmp_pat
   assert results['eval_correct'] == 20
   assert results['final_accuracy'] == pytest.approx(100 * 20 / 21)
   assert re.search(r'^Epoch 3 test end \d\d:\d\d:\d\d, Accuracy=95\.24$', result.stdout, re.M)
-  # 256 training images, batch 16: 16 steps an epoch.
+  # 257 training images, batch 16: 16 steps an epoch.
   assert results['train_steps'] == 48
   # Every graph (train steps, padded eval batches) is compiled in epoch 1, none after.
   counts = results['compilations_after_epoch']
@@ -157,13 +166,21 @@ def test_a_loss_at_chance_level_all_epoch_names_the_lr_and_goes_on(tmp_path):
   assert 'CPUs this process may use' not in result.stdout, result.stdout
 
 
-def test_corrupt_image_names_the_file(tmp_path):
-  data = make_image_folder(tmp_path / 'data', 'train', 3)
-  make_image_folder(data, 'val', 1)
+def test_corrupt_image_names_the_file_in_the_last_line(tmp_path):
+  data = make_image_folder(tmp_path / 'data', 'train', 8, size=16)
+  make_image_folder(data, 'val', 1, size=16)
   (data / 'train' / 'red' / 'broken.png').write_bytes(b'\x89PNG\r\n\x1a\n not an image')
-  result = run_script(SCRIPT, '--datadir', data, '--model', 'resnet18', '--img_dim', 16,
-                      '--batch_size', 13, '--num_workers', 1, '--num_epochs', 1)
-  assert_one_error(result, 2, r'^error: cannot read image \S*train/red/broken\.png')
+  # Output and errors into one file: with --seed 1 the broken image is in step 1's batch, and
+  # step 0's line, printed by the log's thread, once came after the error.
+  with open(tmp_path / 'out.txt', 'w') as out:
+    code = subprocess.run([sys.executable, str(REPO / SCRIPT), '--datadir', str(data), '--model',
+                           'resnet18', '--img_dim', '16', '--batch_size', '2', '--num_workers',
+                           '1', '--num_epochs', '1', '--log_steps', '1', '--seed', '1'],
+                          cwd=REPO, env=script_env(), stdout=out, stderr=subprocess.STDOUT,
+                          timeout=300).returncode
+  text = (tmp_path / 'out.txt').read_text()
+  assert_one_error((code, text), 2, r'^error: cannot read image \S*train/red/broken\.png')
+  assert text.rstrip('\n').split('\n')[-1].startswith('error: '), text
 
 
 def _empty_class(tmp_path):

@@ -248,6 +248,13 @@ def test_shards_written_to_a_bucket_are_read_back_from_it(bucket, tmp_path, monk
   read = sorted(data for _, _, data, _ in wds_cifar.read_samples(urls, never, 4))
   assert read == sorted(path.read_bytes() for path in (tmp_path / 'img').glob('*/*/*'))
   assert wds_cifar.shard_classes('gs://data/photos/photos-train-{000000..000002}.tar') == sorted(COLOURS)
+  # A checkpoint goes up in one upload, as the shards do: no temporary object, no rename.
+  state = dict(model={'w': torch.ones(4)}, optimizer={}, lr_scheduler=None, epoch=1, step=2,
+               global_step=2, rng={}, flags={}, results={})
+  utils.write_checkpoint(state, 'gs://data/ckpt', keep=2, best=False)
+  assert fs.ls('data/ckpt', refresh=True) == ['data/ckpt/ckpt-00000002.pt']
+  assert torch.equal(utils.load_checkpoint('gs://data/ckpt/ckpt-00000002.pt')['model']['w'],
+                     torch.ones(4))
 
 
 def test_checkpoints_to_a_url_keep_the_newest_and_the_best():
@@ -266,7 +273,8 @@ def test_checkpoints_to_a_url_keep_the_newest_and_the_best():
 
 
 def train_shards(urls, rank, world_size, batches, **flags):
-  cfg = dict(batch_size=16, shuffle_buffer=64, seed=5, fail_on_bad_data=True, num_workers=2, read_timeout=20,
+  cfg = dict(batch_size=16, shuffle_buffer=64, seed=5, fail_on_bad_data=True, num_workers=2,
+             read_timeout=20, trainsize=480,
              img_dim=32, num_classes=10)
   return wds_cifar.TrainShards(urls, rank, world_size, batches, SimpleNamespace(**{**cfg, **flags}))
 
@@ -311,8 +319,8 @@ def test_every_replica_runs_the_same_steps_and_refills_when_short(shards, world_
     assert all(images.shape == (batch_size, 3, 32, 32) and images.dtype == torch.uint8
                for images, _ in batches)
     seen += [img.numpy().tobytes() for images, _ in batches for img in images]
-    bad, again = dataset.read_counts()
-    assert bad == 0
+    bad, again, lacking = dataset.read_counts()
+    assert bad == 0 and lacking == 0  # Nothing is wrong: said by no line.
     repeated += again
   # Shards of 50 do not split 480 samples evenly: short replicas read some samples twice
   # (and say so) rather than run fewer steps.
@@ -321,6 +329,11 @@ def test_every_replica_runs_the_same_steps_and_refills_when_short(shards, world_
     assert repeated == 0  # One replica holds all 480 samples: 30 whole batches, no refill.
   if (world_size, num_workers) == (3, 1):
     assert repeated > 0  # 10 shards for 3 replicas: 4, 3, 3 shards of 50 for 160 samples each.
+  # A --trainsize larger than the shards hold: what they lack is counted, and said.
+  dataset = train_shards(train, 0, 1, 600 // 16, num_workers=0, trainsize=600)
+  dataset.set_epoch(1)
+  take_batches(dataset, 0, 600 // 16)
+  assert dataset.read_counts()[1:] == [600 // 16 * 16 - 480, 120]
 
 
 def test_same_seed_and_epoch_give_the_same_batches_with_workers(shards):
@@ -440,6 +453,16 @@ def test_shard_cut_inside_a_tar_header_is_a_bad_shard(shards, tmp_path, capsys):
                    r'it, or drop --fail_on_bad_data')
 
 
+def test_a_bug_in_the_reading_code_is_a_traceback_not_a_bad_shard(shards):
+  # num_classes None (once a bug of the script's): a TypeError for each sample's label check,
+  # raised as it is, not a shard skipped with a warning.
+  counter = train_wds_cifar.BadData(strict=False)
+  with pytest.raises(TypeError):
+    next(train_wds_cifar.read_samples([str(shards / 'shards' / 'cifar-test-000000.tar')], counter,
+                                      None))
+  assert counter.count == 0
+
+
 def test_shard_cut_between_a_samples_files_is_one_bad_shard(shards, tmp_path, capsys):
   # Cut where a sample's cls header would start: its image arrives alone, then the tar ends.
   # One cut, one count, said as a cut (not as a sample of unknown keys).
@@ -505,7 +528,8 @@ def test_an_image_that_cannot_be_read_gives_its_place_to_another_of_its_batch(tm
     data = encoded(image, 'PNG')
     members += [(f'{i:04d}.png', data[:60] if i in (3, 9) else data), (f'{i:04d}.cls', b'%d' % i)]
   dataset = train_shards([write_tar(tmp_path / 'some-bad.tar', members)], 0, 1, 2, batch_size=8,
-                         shuffle_buffer=1, num_workers=0, fail_on_bad_data=False, num_classes=16)
+                         shuffle_buffer=1, num_workers=0, fail_on_bad_data=False, num_classes=16,
+                         trainsize=16)
   dataset.set_epoch(1)
   batches = take_batches(dataset, 0, 2)
   labels = torch.cat([labels for _, labels in batches]).tolist()
@@ -518,7 +542,7 @@ def test_an_image_that_cannot_be_read_gives_its_place_to_another_of_its_batch(tm
       assert any(torch.equal(windows[:, r, c], view) or
                  torch.equal(windows[:, r, c].flip(-1), view)
                  for r in range(9) for c in range(9)), label
-  assert dataset.read_counts() == [2, 0]
+  assert dataset.read_counts() == [2, 0, 0]
   err = capsys.readouterr().err
   assert len(re.findall(r'^warning: sample 000[39] of \S+some-bad\.tar has no readable png image', err,
                         re.M)) == 2, err
@@ -559,9 +583,14 @@ def test_reads_every_image_format_of_the_tutorials_in_one_set(tmp_path):
 
 
 class QuietHandler(http.server.SimpleHTTPRequestHandler):
+  requests = []  # 'GET /path' of each request, in turn
 
   def log_message(self, *args):
     pass
+
+  def send_head(self):
+    self.requests.append(f'{self.command} {self.path}')
+    return super().send_head()
 
 
 class QuietServer(http.server.ThreadingHTTPServer):
@@ -591,6 +620,11 @@ def test_reads_shards_from_a_pipe_command(shards):
 def test_reads_shards_over_http(http_shards, shards):
   urls = list(braceexpand.braceexpand(http_shards + '/cifar-test-{000000..000003}.tar'))
   assert not any(map(supervisor.shard_missing, urls))
+  # The start check reads a shard's first samples as training reads it: one GET.
+  before = len(QuietHandler.requests)
+  supervisor.check_format('wds_testdir', urls[0], lambda sample: None, ValueError,
+                          wds_cifar.open_shard)
+  assert QuietHandler.requests[before:] == ['GET /cifar-test-000000.tar']
   assert supervisor.shard_missing(http_shards + '/nope.tar')  # 404: missing, not unreachable.
   local = decoded([str(p) for p in sorted((shards / 'shards').glob('cifar-test-*.tar'))])
   remote = decoded(urls)
@@ -773,6 +807,37 @@ def test_bad_test_shard_is_fatal_with_the_flag(shards, tmp_path):
   assert_one_error(result, 2, r'^error: shard \S+cifar-test-000000\.tar cannot be read to the end')
 
 
+def test_a_resume_on_other_shards_and_an_evaluation_of_nothing_are_said(shards, tmp_path):
+  # Two runs on shards of 4 classes given --num_classes 10, evaluated on a shard that is not a
+  # tar. The second resumes mid-epoch with a --trainsize of one step: each thing that went
+  # wrong is a line, and nothing is silent.
+  (tmp_path / 'bad-test-000000.tar').write_bytes(np.random.default_rng(0).bytes(4096))
+  args = ['--wds_traindir', shards / 'shards' / 'cifar-train-{000000..000009}.tar',
+          '--wds_testdir', tmp_path / 'bad-test-000000.tar', '--num_classes', 10,
+          '--batch_size', 16, '--num_steps', 4, '--num_epochs', 1, '--num_workers', 0,
+          '--log_steps', 1, '--ckpt_every_steps', 2, '--ckpt_dir', tmp_path / 'ckpt']
+  first = run_script('train_wds_cifar.py', *args, '--trainsize', 480, timeout=300)
+  assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
+  for name in ('ckpt-00000004.pt', 'best.pt'):  # Back to the save at step 2, as after a stop.
+    (tmp_path / 'ckpt' / name).unlink(missing_ok=True)  # best.pt: none without an accuracy.
+  second = run_script('train_wds_cifar.py', *args, '--trainsize', 16, timeout=300)
+  assert second.returncode == 0, second.stdout[-2000:] + second.stderr[-2000:]
+  for run in (first, second):
+    assert re.search(r'^warning: --num_classes 10 is more than the 4 classes of the classes file '
+                     r'beside the training shards: the model gets outputs that no label asks for$',
+                     run.stderr, re.M), run.stderr
+    assert re.search(r'^warning: shard \S+bad-test-000000\.tar cannot be read to the end',
+                     run.stderr, re.M), run.stderr
+    assert re.search(r'^Epoch 1 test end \S+, no test sample was read \(see the warnings above\): '
+                     r'no accuracy$', run.stdout, re.M), run.stdout
+  assert re.search(r'^warning: --trainsize is 16 now, 480 in the run of \S+ckpt-00000002\.pt: '
+                   r'epoch 1 goes on from step 2 with other batches than that run would have '
+                   r'trained \(give its value to train as it would\)$', second.stderr, re.M)
+  assert re.search(r'^warning: the run resumed after step 2 of an epoch that has 1 step now: it '
+                   r'trains none of them; the epoch ends here$', second.stderr, re.M), second.stderr
+  assert "Replica Train Samples=0 " in second.stdout and not training_losses(second.stdout)
+
+
 def closed_port():
   """A port on 127.0.0.1 where nothing listens (bound, then closed)."""
   with socket.socket() as probe:
@@ -785,7 +850,7 @@ BAD_INPUTS = {
                          r'--wds_traindir: no shard found at \S+nowhere-\{000\.\.009\}\.tar'),
     'too few shards for the workers': (
         lambda s: ['--wds_traindir', s / 'shards' / 'cifar-train-000000.tar', '--num_workers', 2],
-        r'1 training shards cannot feed 1 replicas x 2 loader workers'),
+        r'1 training shard cannot feed 1 replica x 2 loader workers'),
     'not a resnet': (lambda s: ['--model', 'vgg11'], r'--model vgg11 is not a torchvision ResNet'),
     'missing trainsize': (lambda s: ['--trainsize', None], r'--trainsize must have a value other than None'),
     'server refuses connections': (
