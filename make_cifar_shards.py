@@ -62,7 +62,8 @@ flags.DEFINE_integer('samples_per_shard', 1000, 'Samples in each shard (the last
                      'ImageNet in the 640 training shards of the Cloud TPU article: 2002).',
                      lower_bound=1)
 flags.DEFINE_integer('repeat', 1, 'Write the training set this many times, each reshuffled '
-                     '(the Cloud TPU tutorial made 1.28M samples with 25).', lower_bound=1)
+                     '(the Cloud TPU tutorial made an ImageNet-sized set this way: 25 '
+                     'x 50,000 = 1.25M samples).', lower_bound=1)
 flags.DEFINE_integer('shuffle_seed', 0, 'Seed of the shuffle (training samples; an image folder\'s '
                      'evaluation samples too, which it holds class by class).')
 flags.DEFINE_enum('format', None, ['rgb', 'png', 'original'], 'Image files: rgb, raw 32x32 bytes '

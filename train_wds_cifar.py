@@ -14,12 +14,14 @@ epoch, and every test sample is counted once.
       --wds_traindir 'shards/cifar-train-{000000..000049}.tar' \
       --wds_testdir 'shards/cifar-test-{000000..000009}.tar'
 
-ImageNet (its JPEGs as they are, in 640 shards; see docs/pods.md for a bucket and a pod):
-  python make_cifar_shards.py --image_folder imagenet --output shards/imagenet \
+ImageNet (its JPEGs as they are, in 640 shards, with ImageNet's recipe; see docs/pods.md
+for a pod):
+  python make_cifar_shards.py --image_folder imagenet --output gs://my-bucket/imagenet/imagenet \
       --samples_per_shard 2002
-  python train_wds_cifar.py --img_dim 224 --model resnet50 --trainsize 1281167 \
-      --wds_traindir 'shards/imagenet-train-{000000..000639}.tar' \
-      --wds_testdir 'shards/imagenet-val-{000000..000024}.tar'
+  python train_wds_cifar.py --img_dim 224 --model resnet50 --bf16 --trainsize 1281167 --testsize 50000 \
+      --wds_traindir 'gs://my-bucket/imagenet/imagenet-train-{000000..000639}.tar' \
+      --wds_testdir 'gs://my-bucket/imagenet/imagenet-val-{000000..000024}.tar' \
+      --ckpt_dir gs://my-bucket/imagenet-run1
 
 With --ckpt_dir, the same command started again goes on exactly where the last one stopped
 (the epoch's stream is rebuilt from (seed, epoch); trained batches are read, not used).
@@ -53,8 +55,8 @@ flags.DEFINE_integer('testsize', None, 'Test samples in the shards (all of them)
 flags.DEFINE_integer('shuffle_buffer', 10000, 'Samples each loader worker shuffles.', lower_bound=1)
 flags.DEFINE_bool('fail_on_bad_data', False, 'Stop at a bad shard or sample instead of skipping it.')
 flags.DEFINE_float('read_timeout', 20, 'Seconds a remote shard\'s read may go without a byte before '
-                   'it is tried again (3 tries; a server that fails 2 shards in a row ends the run).',
-                   lower_bound=0.1)
+                   'it is tried again (3 tries, each of gcsfs\'s 6 for gs://; a server that fails '
+                   '2 shards in a row ends the run).', lower_bound=0.1)
 flags.DEFINE_string('model', 'resnet18', 'A torchvision ResNet (resnet18, resnet50, resnext50_32x4d, '
                     'wide_resnet50_2, ...), given the CIFAR stem, or a name build_model knows.')
 flags.DEFINE_integer('num_classes', None, 'Number of classes (labels 0..N-1). Unset: the lines of '
@@ -125,6 +127,7 @@ import braceexpand
 import fsspec
 import fsspec.implementations.local
 import numpy as np
+import requests
 import torch
 import torch.nn.functional as F
 import torch_xla
@@ -166,6 +169,9 @@ DOWN_AFTER = 2  # shards in a row that their server failed: it is down, and the 
 # What a shard that cannot be read raises (a truncated or corrupt tar or compression, a disk
 # error, a pipe: command that failed); anything else is a bug in the code, and a traceback.
 DATA_ERRORS = (tarfile.TarError, ValueError, EOFError, OSError, lzma.LZMAError, zlib.error)
+# What a server's failure raises: tried again (see RetriedReads).
+RETRIED = (TimeoutError, asyncio.TimeoutError, ConnectionError, aiohttp.ClientError,
+           requests.exceptions.ConnectionError, requests.exceptions.Timeout)  # gcsfs: a 502
 # What the flags not given come from: CIFAR-10's usual recipe at its 32 px and below; above, the
 # image-folder scripts' ImageNet recipe (their defaults), upstream's tuned one for resnet50 (as
 # train_resnet_mp.py chooses it).
@@ -259,8 +265,12 @@ def read_samples(urls, on_bad, num_classes, read_timeout=READ_TIMEOUT):
             '--ckpt_dir it resumes from the last checkpoint)') from None
       on_bad(f'shard {url} cannot be read: {e.reason} ({READ_TRIES} tries)')
     except FileNotFoundError:
+      failed.clear()
       on_bad(f'shard {url} is missing')
-    except DATA_ERRORS as e:  # A truncated or corrupt tar, a disk that cannot read it.
+    except Exception as e:  # A truncated or corrupt tar, a disk or server that refuses it.
+      if not isinstance(e, DATA_ERRORS) and not refused(e):
+        raise  # A bug of the code: a traceback.
+      failed.clear()
       on_bad(f'shard {url} cannot be read to the end ({type(e).__name__}: '
              f'{e.args[0] if e.args else e})')
 
@@ -273,16 +283,21 @@ def shard_samples(url, on_bad, num_classes, read_timeout):
     whole = WholeTar(stream)
     files = wds.tariterators.tar_file_expander([dict(url=url, stream=whole)])
     held = None  # What is wrong with the sample just read, said once the next one comes.
-    for sample in wds.tariterators.group_by_keys(files):
+    try:
+      for sample in wds.tariterators.group_by_keys(files):
+        if held:
+          on_bad(held)
+        where, held = f'sample {sample["__key__"]} of {url}', None
+        try:
+          parsed = parse(sample, num_classes)
+        except BadSample as e:
+          held = f'{where} {e}'
+          continue
+        yield (where, *parsed)
+    except Exception:  # Within a file of the next sample: the held one was whole.
       if held:
         on_bad(held)
-      where, held = f'sample {sample["__key__"]} of {url}', None
-      try:
-        parsed = parse(sample, num_classes)
-      except BadSample as e:
-        held = f'{where} {e}'
-        continue
-      yield (where, *parsed)
+      raise
     if whole.cut_short():
       on_bad(f'shard {url} cannot be read to the end (it ends inside a tar header, after '
              f'{whole.size} bytes: the rest of it is lost)')
@@ -391,12 +406,23 @@ class RetriedReads(io.RawIOBase):
 
 def server_failed(error):
   """Whether a read failed for the server's sake, not the data's: no answer in time, a
-  connection refused or dropped, a 5xx or 429 answer."""
-  if isinstance(error, aiohttp.ClientResponseError):
-    return error.status >= 500 or error.status == 429
-  status = getattr(error, 'code', None)  # gcsfs's HttpError, after its own tries
-  return (isinstance(error, (TimeoutError, asyncio.TimeoutError, ConnectionError,
-                             aiohttp.ClientError)) or (isinstance(status, int) and status >= 500))
+  connection refused or dropped, a 5xx, 408 or 429 answer (gcsfs's, after its own tries)."""
+  status = http_status(error)
+  if status is not None:
+    return status >= 500 or status in (408, 429)
+  return isinstance(error, RETRIED)
+
+
+def refused(error):
+  """Whether a server or bucket refused the shard (401, 403, 410, ...) or the credentials
+  (google-auth's errors): a bad shard, not a bug."""
+  return http_status(error) is not None or type(error).__module__.startswith('google.auth')
+
+
+def http_status(error):
+  """The HTTP status of an answer that a file system raised (aiohttp's, gcsfs's), or None."""
+  status = getattr(error, 'status', getattr(error, 'code', None))
+  return status if isinstance(status, int) and 400 <= status < 600 else None
 
 
 class WholeTar:
@@ -890,9 +916,9 @@ def count_data(results, counts, epoch, rank, trainsize):
   results['repeated_samples'] += repeated
   if lacking:
     print(f'warning: epoch {epoch} replica {rank}: its shards lack about {lacking} samples of its '
-          f'share of --trainsize {trainsize}; {repeated} were read a second time to run the same '
-          'steps as every replica: give --trainsize the number the shards hold', file=sys.stderr,
-          flush=True)
+          f'share of --trainsize {trainsize} (bad shards, or fewer samples than it says); '
+          f'{repeated} were read a second time to run the same steps as every replica',
+          file=sys.stderr, flush=True)
   if bad:
     print(f'Epoch {epoch} Replica {rank}: skipped {bad} bad shards or samples', flush=True)
 

@@ -341,7 +341,7 @@ class EpochLoader:
   def __iter__(self):
     self.error = None
     if self.first_step >= self.num_batches:
-      if self.first_step:  # A resume after a flag that decides the batches changed.
+      if self.first_step > self.num_batches:  # A resume after a flag that decides them changed.
         xm.master_print(f'warning: the run resumed after step {self.first_step} of an epoch that '
                         f'has {self.num_batches} step{"s" * (self.num_batches != 1)} now: it '
                         'trains none of them; the epoch ends here', fd=sys.stderr, flush=True)
@@ -614,6 +614,8 @@ def resume(resume_path, ckpt_dir, training, flag_values, world_size, batch_flags
   path, state = find_checkpoint(resume_path, ckpt_dir)
   if state is None:
     return None
+  model, optimizer, scheduler = training
+  check_same_model(model, state, path)
   where = f'epoch {state["epoch"]} goes on from step {state["step"]}'
   for name in batch_flags:
     if name in state['flags'] and state['flags'][name] != flag_values.get(name):
@@ -621,8 +623,6 @@ def resume(resume_path, ckpt_dir, training, flag_values, world_size, batch_flags
                       f'in the run of {path}: {where} with other batches than that run would '
                       'have trained (give its value to train as it would)', fd=sys.stderr,
                       flush=True)
-  model, optimizer, scheduler = training
-  check_same_model(model, state, path)
   model.load_state_dict(state['model'])
   optimizer.load_state_dict(state['optimizer'])
   if scheduler is not None and state['lr_scheduler'] is not None:

@@ -7,6 +7,7 @@ prints for the code as it is now. Reads files only (copy_size.py too): no torch,
 
 import pathlib
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -167,3 +168,18 @@ def test_the_docs_quote_copy_size_py_as_it_prints_now():
            + '\n'.join(printed[header])
            for page, header, rows in quotes if rows != printed[header]]
   assert not stale, '\n\n'.join(stale)
+
+
+def test_every_page_gives_one_imagenet_command():
+  # The ImageNet job is one command: its flags the same on every page that gives it (the
+  # launcher's and xpk's around it, a checkpoint folder and a compile cache of their own).
+  commands = {}
+  for path in [*pages(), REPO / 'train_wds_cifar.py']:
+    text = path.read_text().replace('\\\n', ' ')
+    for found in re.finditer(r'train_wds_cifar\.py (--img_dim 224 [^\n"]*)', text):
+      words = shlex.split(found.group(1).replace('BUCKET', 'my-bucket'))
+      for own in ('--ckpt_dir', '--compile_cache_dir'):
+        if own in words:
+          del words[words.index(own):words.index(own) + 2]
+      commands.setdefault(' '.join(words), []).append(path.name)
+  assert len(commands) == 1 and len(next(iter(commands.values()))) >= 5, commands

@@ -673,32 +673,28 @@ def server_process(folder):
     server.wait()
 
 
-@pytest.mark.parametrize('stalls', ['training', 'evaluation'])
-def test_a_server_that_stops_answering_ends_the_run_in_one_line(shards, stalls):
-  # The server halts (SIGSTOP): mid-epoch, once training has begun, or before the first
-  # evaluation. Each read waits --read_timeout 2 s, is tried 3 times, and after two shards in a
-  # row the run ends: one line naming the server, exit 2, nothing left running.
-  local = str(shards / 'shards')
-  with server_process(local) as (server, url):
-    folders = {'training': (url, local), 'evaluation': (local, url)}[stalls]
+STALL_ERROR = (r'^error: (replica 0: )?127\.0\.0\.1:\d+ does not answer: no byte for 2 s, 3 tries '
+               r'each, for shard {url}/cifar-{split}-\d+\.tar and then {url}/cifar-{split}-\d+\.tar; '
+               r'check that it is up and that this host \(.+\) reaches it, then run the same '
+               r'command again \(with --ckpt_dir it resumes from the last checkpoint\)$')
+LOOK_AHEAD = ['--prefetch_factor', 1, '--loader_prefetch_size', 1, '--device_prefetch_size', 1]
+
+
+def test_a_server_that_stops_answering_mid_epoch_ends_the_run_in_one_line(shards):
+  # The server halts (SIGSTOP) once a step is done: no worker can have read more than about
+  # 130 of its 240 samples (the loaders hold a few batches ahead). Each read waits
+  # --read_timeout 2 s and is tried 3 times; after two shards in a row the run ends: one line
+  # naming the server, the last, exit 2, nothing left running. (Its evaluation: below.)
+  with server_process(shards / 'shards') as (server, url):
     process = start_script(
-        'train_wds_cifar.py', '--wds_traindir', f'{folders[0]}/cifar-train-{{000000..000009}}.tar',
-        '--trainsize', 480, '--wds_testdir', f'{folders[1]}/cifar-test-{{000000..000003}}.tar',
-        '--batch_size', 16, '--num_workers', 2, '--shuffle_buffer', 16, '--prefetch_factor', 1,
-        '--loader_prefetch_size', 1, '--device_prefetch_size', 1, '--log_steps', 1,
-        '--num_epochs', 1, '--read_timeout', 2, *(['--num_steps', 2] if stalls == 'evaluation' else []))
-    # Training: a step is done, and no worker can have read more than about 130 of its 240
-    # samples (the loaders hold a few batches ahead). Evaluation: the start checks have read
-    # the test shards' first samples; the evaluation reads none before it begins.
-    read = wait_for(process, r'^\| Training .* Step=0 ' if stalls == 'training' else '^Starting ')
+        'train_wds_cifar.py', '--wds_traindir', f'{url}/cifar-train-{{000000..000009}}.tar',
+        '--trainsize', 480, '--wds_testdir', shards / 'shards' / 'cifar-test-{000000..000003}.tar',
+        '--batch_size', 16, '--num_workers', 2, '--shuffle_buffer', 16, *LOOK_AHEAD,
+        '--log_steps', 1, '--num_epochs', 1, '--read_timeout', 2)
+    read = wait_for(process, r'^\| Training .* Step=0 ')
     os.kill(server.pid, signal.SIGSTOP)
     code, output = finish(process)
-  output = read + output
-  assert_one_error((code, output), 2, rf'^error: (replica 0: )?127\.0\.0\.1:\d+ does not answer: no '
-                   rf'byte for 2 s, 3 tries each, for shard {url}/cifar-(train|test)-\d+\.tar and '
-                   rf'then {url}/\S+\.tar; check that it is up and that this host \(.+\) reaches it, '
-                   r'then run the same command again \(with --ckpt_dir it resumes from the last '
-                   r'checkpoint\)$')
+  assert_one_error((code, read + output), 2, STALL_ERROR.format(url=url, split='train'))
   assert output.splitlines()[-1].startswith('error: '), output
   assert_nothing_left(session=process.pid)
 
@@ -747,8 +743,10 @@ def test_photos_as_jpeg_shards_over_http_learn_as_their_folders_do(photo_shards,
   assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
   assert re.search(r'^Data: 257 training samples in 17 shards and 21 evaluation samples in 2, at '
                    r'3x40x40 uint8, 4 classes \(the classes file beside the training shards\)\n'
-                   r'Model: resnet18 \(ResNet, 11\.18M parameters, 4 classes\)$', result.stdout,
-                   re.M), result.stdout[:2000]
+                   r'Model: resnet18 \(ResNet, 11\.18M parameters, 4 classes\)\n'
+                   r'Recipe: SGD, lr 0\.005 constant, momentum 0\.9, weight decay 0\.0001 \(--lr as '
+                   r'given, --lr_scheduler_type and --weight_decay from the ImageNet recipe, the '
+                   r"rest the flags' defaults\)$", result.stdout, re.M), result.stdout[:2000]
   results = read_json(tmp_path / 'r.json')
   assert (results['eval_correct'], results['eval_samples']) == (20, 21), result.stdout
   assert results['train_steps'] == 3 * 16
@@ -807,35 +805,45 @@ def test_bad_test_shard_is_fatal_with_the_flag(shards, tmp_path):
   assert_one_error(result, 2, r'^error: shard \S+cifar-test-000000\.tar cannot be read to the end')
 
 
-def test_a_resume_on_other_shards_and_an_evaluation_of_nothing_are_said(shards, tmp_path):
-  # Two runs on shards of 4 classes given --num_classes 10, evaluated on a shard that is not a
-  # tar. The second resumes mid-epoch with a --trainsize of one step: each thing that went
-  # wrong is a line, and nothing is silent.
+def test_a_stalled_evaluation_then_a_resume_on_other_shards_are_each_one_line(shards, tmp_path):
+  # 1. The test shards' server halts (SIGSTOP) once the start checks have read them: the
+  #    evaluation after 4 steps ends the run (one line, exit 2, nothing left), and the
+  #    checkpoint of step 2 is the last one kept.
+  # 2. The same shards of 4 classes given --num_classes 10, resumed from it with a --trainsize
+  #    of one step, evaluated on a file that is not a tar: a line for the classes, the
+  #    changed --trainsize, the epoch left with no step and the evaluation that read nothing.
   (tmp_path / 'bad-test-000000.tar').write_bytes(np.random.default_rng(0).bytes(4096))
   args = ['--wds_traindir', shards / 'shards' / 'cifar-train-{000000..000009}.tar',
-          '--wds_testdir', tmp_path / 'bad-test-000000.tar', '--num_classes', 10,
-          '--batch_size', 16, '--num_steps', 4, '--num_epochs', 1, '--num_workers', 0,
-          '--log_steps', 1, '--ckpt_every_steps', 2, '--ckpt_dir', tmp_path / 'ckpt']
-  first = run_script('train_wds_cifar.py', *args, '--trainsize', 480, timeout=300)
-  assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
-  for name in ('ckpt-00000004.pt', 'best.pt'):  # Back to the save at step 2, as after a stop.
-    (tmp_path / 'ckpt' / name).unlink(missing_ok=True)  # best.pt: none without an accuracy.
-  second = run_script('train_wds_cifar.py', *args, '--trainsize', 16, timeout=300)
-  assert second.returncode == 0, second.stdout[-2000:] + second.stderr[-2000:]
-  for run in (first, second):
+          '--num_classes', 10, '--batch_size', 16, '--num_steps', 4, '--num_epochs', 1,
+          '--num_workers', 2, '--log_steps', 1, '--ckpt_every_steps', 2, '--ckpt_dir',
+          tmp_path / 'ckpt', '--read_timeout', 2, *LOOK_AHEAD]
+  with server_process(shards / 'shards') as (server, url):
+    process = start_script('train_wds_cifar.py', *args, '--trainsize', 480, '--wds_testdir',
+                           f'{url}/cifar-test-{{000000..000003}}.tar')
+    read = wait_for(process, '^Starting ')
+    os.kill(server.pid, signal.SIGSTOP)
+    code, output = finish(process)
+  assert_one_error((code, read + output), 2, STALL_ERROR.format(url=url, split='test'))
+  assert output.splitlines()[-1].startswith('error: '), output
+  assert_nothing_left(session=process.pid)
+  assert sorted(os.listdir(tmp_path / 'ckpt')) == ['ckpt-00000002.pt']
+  run = run_script('train_wds_cifar.py', *args, '--trainsize', 16, '--wds_testdir',
+                   tmp_path / 'bad-test-000000.tar', timeout=300)
+  assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+  for said in (read, run.stderr):
     assert re.search(r'^warning: --num_classes 10 is more than the 4 classes of the classes file '
                      r'beside the training shards: the model gets outputs that no label asks for$',
-                     run.stderr, re.M), run.stderr
-    assert re.search(r'^warning: shard \S+bad-test-000000\.tar cannot be read to the end',
-                     run.stderr, re.M), run.stderr
-    assert re.search(r'^Epoch 1 test end \S+, no test sample was read \(see the warnings above\): '
-                     r'no accuracy$', run.stdout, re.M), run.stdout
+                     said, re.M), said
   assert re.search(r'^warning: --trainsize is 16 now, 480 in the run of \S+ckpt-00000002\.pt: '
                    r'epoch 1 goes on from step 2 with other batches than that run would have '
-                   r'trained \(give its value to train as it would\)$', second.stderr, re.M)
+                   r'trained \(give its value to train as it would\)$', run.stderr, re.M)
   assert re.search(r'^warning: the run resumed after step 2 of an epoch that has 1 step now: it '
-                   r'trains none of them; the epoch ends here$', second.stderr, re.M), second.stderr
-  assert "Replica Train Samples=0 " in second.stdout and not training_losses(second.stdout)
+                   r'trains none of them; the epoch ends here$', run.stderr, re.M), run.stderr
+  assert 'Replica Train Samples=0 ' in run.stdout and not training_losses(run.stdout)
+  assert re.search(r'^warning: shard \S+bad-test-000000\.tar cannot be read to the end',
+                   run.stderr, re.M), run.stderr
+  assert re.search(r'^Epoch 1 test end \S+, no test sample was read \(see the warnings above\): '
+                   r'no accuracy$', run.stdout, re.M), run.stdout
 
 
 def closed_port():
@@ -865,8 +873,10 @@ BAD_INPUTS = {
         r"^error: --wds_testdir: sample 000001 of \S+labels\.tar has label 7, past 4 classes "
         r"\(labels 0 to 3\): give --num_classes, the number of the shards' classes \(1000 for "
         r'ImageNet\)$'),
-    'unwritable ckpt_dir': (lambda s: ['--ckpt_dir', s / 'shards' / 'cifar-test-000000.tar' / 'ckpt'],
-                            r'cannot write to --ckpt_dir \S+cifar-test-000000.tar/ckpt'),
+    'unwritable ckpt_dir': (  # At ImageNet's size: the recipe is said first (see below).
+        lambda s: ['--ckpt_dir', s / 'shards' / 'cifar-test-000000.tar' / 'ckpt', '--img_dim',
+                   224, '--model', 'resnet50'],
+        r'cannot write to --ckpt_dir \S+cifar-test-000000.tar/ckpt'),
     'a flag of the image-folder scripts': (
         lambda s: ['--datadir', s], r'^error: --datadir: give the shards with --wds_traindir and '
         r'--wds_testdir \(see make_cifar_shards\.py\); --datadir belongs to the image-folder '
@@ -916,6 +926,11 @@ def test_bad_input_is_one_clear_line_and_exit_2(shards, case):
   flat = [str(x) for k, v in args.items() if v is not None for x in (k, v)]
   result = run_script('train_wds_cifar.py', *flat, timeout=300)
   assert_one_error(result, 2, message)
+  if case == 'unwritable ckpt_dir':  # ImageNet's recipe, as train_resnet_mp.py has it.
+    assert re.search(r'^Recipe: SGD, lr 0\.5 linear warm-up over 0\.9 epochs, then divided by 5 '
+                     r'every 20 epochs, momentum 0\.9, weight decay 0\.0001 \(--lr, '
+                     r"--lr_scheduler_type and --weight_decay from resnet50's tuned ImageNet "
+                     r"recipe, the rest the flags' defaults\)$", result.stdout, re.M), result.stdout
 
 
 def test_stopped_run_ends_bitwise_equal(photo_shards, tmp_path):
