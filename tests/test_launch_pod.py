@@ -306,6 +306,13 @@ def test_an_unreachable_worker_ends_the_run_with_code_255(sshd, mark):
   assert_nothing_left(mark=mark, seconds=10)
 
 
+def sigterm_pending(pid):
+  """Whether SIGTERM waits, sent to its process group, for a process (stopped, say)."""
+  with open(f'/proc/{pid}/status') as f:
+    pending = next(line for line in f if line.startswith('ShdPnd:')).split()[1]
+  return bool(int(pending, 16) & 1 << (signal.SIGTERM - 1))
+
+
 def job_of(mark, worker):
   """The pid of the command the watcher started on a worker (the leader of its session)."""
   for pid in run_processes(mark=mark):
@@ -322,11 +329,9 @@ def job_of(mark, worker):
 def test_restarts_survive_a_preemption_and_a_lost_host_and_end_as_an_uninterrupted_run(
     sshd, netns_hosts, tmp_path, mark):
   rng = seeded_random()
-  # Early in epoch 1, so that the other worker still trains when the stop reaches it (a
-  # stop lands 2 steps after its signal, or at the epoch's end): 30 steps an epoch, as the
-  # other worker ran the 20 of two epochs of 10 (at 20 a second once compiled) on a loaded
-  # machine before the launcher's stop reached it.
   preempted_at = rng.randint(1, 3)
+  # 30 steps an epoch: after the restart, each worker compiles again and has most of its run
+  # left while the other's lost host is found out (2 to 3 s).
   train = ['train_resnet_mp.py', '--fake_data', '--model', 'resnet18', '--img_dim', '16',
            '--batch_size', '4', '--test_set_batch_size', '4', '--num_epochs', '2', '--num_steps',
            '30', '--log_steps', '1', '--num_workers', '0', '--seed', str(rng.randint(0, 99))]
@@ -339,9 +344,24 @@ def test_restarts_survive_a_preemption_and_a_lost_host_and_end_as_an_uninterrupt
                   f'--tpu_devices={tmp_path}/accel*', f'--tpu_lockfile={tmp_path}/lockfile',
                   '--env=PJRT_DEVICE=CPU', '--', sys.executable, *train, '--ckpt_dir',
                   f'{tmp_path}/ck/w{{worker}}', mark=mark, hosts=netns_hosts['hosts'])
-  # A maintenance event on worker 0: SIGTERM to its command's processes.
-  out = wait_for(process, rf'^\[worker 0\] \| Training .* Epoch=1 Step={preempted_at} ')
+  # Each worker's command is frozen (SIGSTOP) early in epoch 1, whichever comes first, so
+  # that neither can end its run before the stop reaches it.
+  out, frozen = '', set()
+  while len(frozen) < 2:
+    out += wait_for(process, rf'^\[worker (0\] .* Epoch=1 Step={preempted_at}|1\] .* Epoch=1 '
+                             r'Step=1) ')
+    worker = int(out.splitlines()[-1][8])
+    os.killpg(job_of(mark, worker), signal.SIGSTOP)
+    frozen.add(worker)
+  # A maintenance event on worker 0: SIGTERM to its command's processes, which go on. Worker
+  # 1 goes on once the launcher's stop (SIGTERM) is waiting for it.
   os.killpg(job_of(mark, 0), signal.SIGTERM)
+  os.killpg(job_of(mark, 0), signal.SIGCONT)
+  out += wait_for(process, r'^launch_pod: worker 0 \(\S+\) exited with code 75\b.*: stopping the '
+                           r'others$')
+  while not sigterm_pending(job_of(mark, 1)):
+    time.sleep(0.01)
+  os.killpg(job_of(mark, 1), signal.SIGCONT)
   out += wait_for(process, r'^launch_pod: restart 1 of 3 \(worker 0 \(\S+\) exited 75: stopped '
                            r'and saved\)$')
   # Worker 1's host drops off the network as its command resumes after the restart, while it
