@@ -422,16 +422,23 @@ def names(workers):
   return ', '.join(str(worker.index) for worker in sorted(workers, key=lambda w: w.index))
 
 
-def run(workers, remotes, logs, grace):
-  """Starts the command on every worker and watches it; returns the launcher's exit code and
-  the worker whose end may be retried (stopped and saved on its own, or lost), or None."""
-  events = queue.SimpleQueue()  # Worker that ended, or signal number; put() is signal-safe.
+def start_all(workers, remotes, logs):
+  """Starts the command on every worker; returns the queue of what the watch acts on: each
+  worker that ended, and each stop signal's number (put() is signal-safe)."""
+  events = queue.SimpleQueue()
   for signum in STOP_SIGNALS:
     if signal.getsignal(signum) != signal.SIG_IGN:  # Under nohup a closed terminal is no stop.
       signal.signal(signum, lambda signum, frame: events.put(signum))
   lock = threading.Lock()
   for worker, log in zip(workers, logs):
     worker.start(remotes[worker], log, lock, events, FLAGS.timestamps)
+  return events
+
+
+def run(workers, remotes, logs, grace):
+  """Starts the command on every worker and watches it; returns the launcher's exit code and
+  the worker whose end may be retried (stopped and saved on its own, or lost), or None."""
+  events = start_all(workers, remotes, logs)
   running, failed, signalled, at_once = set(workers), None, None, False
   stop_at = kill_at = end_ssh_at = None
   while running:

@@ -339,6 +339,17 @@ def end_epoch(run, epoch, accuracy, counts):
   return epoch < run.cfg.num_epochs and run.stop.agreed_at_epoch_end(), saved
 
 
+def sharded(loader, mesh, device, cfg):
+  """The loader's batches on the device, each host's batch its devices' rows of the global
+  batch (minibatch=True), sharded along the mesh's 'data' axis."""
+  sharding = dict(images=xs.ShardingSpec(mesh, ('data', None, None, None), minibatch=True),
+                  labels=xs.ShardingSpec(mesh, ('data',), minibatch=True))
+  return pl.MpDeviceLoader(loader, device, loader_prefetch_size=cfg.loader_prefetch_size,
+                           device_prefetch_size=cfg.device_prefetch_size,
+                           host_to_device_transfer_threads=cfg.host_to_device_transfer_threads,
+                           input_sharding=sharding)
+
+
 def train(cfg, stop_signal):
   """This host's run (stop_signal(): the signal it got, or 0); returns its results."""
   torch.manual_seed(cfg.seed)
@@ -350,15 +361,8 @@ def train(cfg, stop_signal):
   results, device = run.results, torch_xla.device()
   # The server lives as long as this reference: keep it until training ends.
   profiler = xp.start_server(cfg.profiler_port) if cfg.profile else None
-  # Each host's batch becomes its devices' rows of the global batch (minibatch=True).
-  sharding = dict(images=xs.ShardingSpec(mesh, ('data', None, None, None), minibatch=True),
-                  labels=xs.ShardingSpec(mesh, ('data',), minibatch=True))
-  prefetch = dict(loader_prefetch_size=cfg.loader_prefetch_size,
-                  device_prefetch_size=cfg.device_prefetch_size,
-                  host_to_device_transfer_threads=cfg.host_to_device_transfer_threads,
-                  input_sharding=sharding)
-  train_device_loader = pl.MpDeviceLoader(train_loader, device, **prefetch)
-  test_device_loader = pl.MpDeviceLoader(test_loader, device, **prefetch)
+  train_device_loader, test_device_loader = (sharded(loader, mesh, device, cfg)
+                                             for loader in (train_loader, test_loader))
   if run.epoch <= cfg.num_epochs:  # Else: 'Run already finished'.
     xm.master_print(f'Mesh of {devices} devices; compiling the first step ...', flush=True)
   with utils.ends_on_divergence(results, run.log, vars(cfg)):  # Nothing saved after it.
