@@ -26,7 +26,6 @@ import concurrent.futures
 import contextlib
 import itertools
 import logging
-import multiprocessing
 import numbers
 import os
 import select
@@ -362,7 +361,6 @@ def check_format(flag, url, decode, foreign, open_shard, count=16):
 # ------------------------------------------------------------------ the watch over the run
 
 
-_replicas = {}  # pid: multiprocessing.Process of every replica seen, alive or not.
 _ending = threading.RLock()  # Held by the thread that ends the run (a handler may re-enter).
 
 
@@ -435,10 +433,7 @@ def _stop_line(signum, saving, at_once):
 
 
 def _check_replicas():
-  for process in multiprocessing.active_children():
-    _replicas.setdefault(process.pid, process)
-  ended = [(pid, process.exitcode) for pid, process in _replicas.items()
-           if process.exitcode not in (None, 0)]
+  ended = utils.ended_replicas()
   if ended:  # The line and the code are the kit's own (the launcher's watch in utils.py).
     _end_run(*utils.replica_ended(ended))
 

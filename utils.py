@@ -726,8 +726,8 @@ def _replica_death_said():
     yield
   except concurrent.futures.process.BrokenProcessPool:
     for _ in range(50):  # Its exit code, once the pool has reaped it.
-      if _first_ended or _ended_replicas():
-        code, line = replica_ended(_first_ended or _ended_replicas())
+      if _first_ended or ended_replicas():
+        code, line = replica_ended(_first_ended or ended_replicas())
         if line:
           print(line, file=sys.stderr if line.startswith('error:') else sys.stdout, flush=True)
         sys.exit(code)
@@ -743,19 +743,19 @@ def _end_the_others():
   would never end (pytorch/xla#7974). Their loader workers see it within 5 s (torch's
   watchdog)."""
   while not _first_ended:
-    _first_ended.extend(_ended_replicas())
+    _first_ended.extend(ended_replicas())
     time.sleep(0.1)
   for process in multiprocessing.active_children():
     process.kill()
 
 
 _replicas = {}  # pid: multiprocessing.Process of every replica this launcher started.
-_first_ended = []  # What _ended_replicas found first: the others are then killed.
+_first_ended = []  # What ended_replicas found first: the others are then killed.
 
 
-def _ended_replicas():
-  """[(pid, exit code)] of this launcher's replica processes that ended with an error or a
-  signal (-N for signal N)."""
+def ended_replicas():
+  """[(pid, exit code: -N for signal N)] of this launcher's replica processes that ended with
+  an error or a signal (supervisor.py's watch asks it too)."""
   for process in multiprocessing.active_children():  # The pool's, started or starting.
     _replicas.setdefault(process.pid, process)
   return [(pid, process.exitcode) for pid, process in _replicas.items()
