@@ -231,10 +231,12 @@ def start_run(cfg, num_classes, steps_per_epoch, stop_signal, mesh):
                         results=results, num_classes=num_classes, epoch=1, step=0,
                         global_step=0)
   state = utils.resume(cfg.resume, cfg.ckpt_dir, (model, optimizer, scheduler),
-                             vars(cfg), run.results['world_size'])
+                       vars(cfg), run.results['world_size'])
   if state is not None:
     vars(run).update({key: state[key] for key in ('results', 'epoch', 'step', 'global_step')})
   run.log = utils.StepLog(device, writer, run.results['history'])  # After the restore.
+  # The profiler serves TensorBoard's captures while this run is held (until train returns).
+  run.profiler = xp.start_server(cfg.profiler_port) if cfg.profile else None
   return run
 
 
@@ -309,7 +311,7 @@ def save_checkpoint(run, epoch, step, best=False):
 
 def stop_run(run, epoch, step, saved=None):
   """The end of a run stopped by SIGTERM or Ctrl-C at a step boundary: saves (unless `saved`
-  holds this very state), says so."""
+  holds this very state), says so; returns the exit code (75 for SIGTERM, 130 for Ctrl-C)."""
   if saved is None and run.cfg.ckpt_dir:
     xm.master_print(f'Stopping at epoch {epoch} step {step}: saving a checkpoint ...', flush=True)
     saved = save_checkpoint(run, epoch, step)
@@ -317,7 +319,7 @@ def stop_run(run, epoch, step, saved=None):
   xm.master_print(f'Stopped by {name} at epoch {epoch} step {step}: ' +
                   (f'saved {saved}; run the same command to resume' if saved else
                    'nothing saved (no --ckpt_dir)') + f' (exit code {code})', flush=True)
-  return run.results
+  return code
 
 
 def end_epoch(run, epoch, accuracy, counts):
@@ -351,7 +353,9 @@ def sharded(loader, mesh, device, cfg):
 
 
 def train(cfg, stop_signal):
-  """This host's run (stop_signal(): the signal it got, or 0); returns its results."""
+  """This host's run (stop_signal(): the signal it got, or 0); returns (its results, the exit
+  code) where it finishes, stops or diverges. A run that fails raises: main says why in one
+  line (exit code 2), or app.run prints the traceback of a bug (exit code 1)."""
   torch.manual_seed(cfg.seed)
   host, hosts, devices = xr.process_index(), xr.process_count(), xr.global_runtime_device_count()
   local_devices = xr.addressable_runtime_device_count()
@@ -359,13 +363,11 @@ def train(cfg, stop_signal):
   train_loader, test_loader, num_classes = load_data(cfg, host, hosts, local_devices)
   run = start_run(cfg, num_classes, train_loader.num_batches, stop_signal, mesh)
   results, device = run.results, torch_xla.device()
-  # The server lives as long as this reference: keep it until training ends.
-  profiler = xp.start_server(cfg.profiler_port) if cfg.profile else None
   train_device_loader, test_device_loader = (sharded(loader, mesh, device, cfg)
                                              for loader in (train_loader, test_loader))
   if run.epoch <= cfg.num_epochs:  # Else: 'Run already finished'.
     xm.master_print(f'Mesh of {devices} devices; compiling the first step ...', flush=True)
-  with utils.ends_on_divergence(results, run.log, vars(cfg)):  # Nothing saved after it.
+  try:
     for epoch in range(run.epoch, cfg.num_epochs + 1):
       first_step = run.step if epoch == run.epoch else 0
       train_loader.set_epoch(epoch, first_step)  # Skips, on the host, what a resumed run trained.
@@ -378,7 +380,7 @@ def train(cfg, stop_signal):
       seconds = time.time() - start
       results['train_seconds'] += seconds
       if stopped:
-        return stop_run(run, epoch, first_step + steps)
+        return results, stop_run(run, epoch, first_step + steps)  # Saved at this step.
       print(f'Epoch {epoch} Host Train Samples={steps * cfg.batch_size * local_devices} '
             f'Devices={local_devices} of {devices} Host={host}', flush=True)
       rate = steps * cfg.batch_size * devices / seconds  # Every host runs every step.
@@ -387,14 +389,16 @@ def train(cfg, stop_signal):
                       flush=True)
       accuracy, *counts = evaluate(run.model, test_device_loader, cfg.amp)
       test_loader.check()
-      xm.master_print(f'Epoch {epoch} test end {test_utils.now()}, Accuracy={accuracy:.2f}',
-                      flush=True)
+      xm.master_print(f'Epoch {epoch} test end {test_utils.now()}, Accuracy={accuracy:.2f}', flush=True)
       stop, saved = end_epoch(run, epoch, accuracy, counts)
       if stop:
-        return stop_run(run, epoch + 1, 0, saved)
-  del profiler
-  return utils.finish_results(results, run.global_step, cfg.batch_size * devices,
-                              run.log.writer)
+        return results, stop_run(run, epoch + 1, 0, saved)  # Saved with the epoch.
+  except utils.Diverged as error:  # From run.stop: the loss or weights ran away (see StopVote).
+    utils.say_diverged(error, results, run.log, vars(cfg))  # Nothing is saved after it.
+    utils.add_totals(results, run.global_step, cfg.batch_size * devices, run.log.writer)
+    return results, utils.EXIT_DIVERGED
+  utils.add_totals(results, run.global_step, cfg.batch_size * devices, run.log.writer)
+  return results, utils.say_finished(results, cfg.target_accuracy)  # 0, or 21 below the target
 
 
 def main(argv):
@@ -416,12 +420,12 @@ def main(argv):
         supervisor.check_job(cfg, build_datasets, build_model, FAKE_CLASSES,
                              {name for name in FLAGS if FLAGS[name].present}, recipe)
       utils.use_compile_cache(cfg.compile_cache_dir, xr.process_index())  # Before any computation.
-      results = train(cfg, utils.stop_signal)
+      results, code = train(cfg, utils.stop_signal)
       if utils.is_master():
         utils.write_results(cfg.results_json, results)
     except utils.SAID as e:  # A bad flag, path or file, a full disk: one line.
       utils.die(e)
-  sys.exit(utils.exit_code(results, cfg.target_accuracy))
+  sys.exit(code)
 
 
 def run(argv):

@@ -184,10 +184,12 @@ def start_run(cfg, num_classes, steps_per_epoch, stop_signal):
                         results=utils.new_results(cfg.model, amp=cfg.amp),
                         num_classes=num_classes, epoch=1, step=0, global_step=0)
   state = utils.resume(cfg.resume, cfg.ckpt_dir, (model, optimizer, scheduler),
-                             vars(cfg), run.results['world_size'])
+                       vars(cfg), run.results['world_size'])
   if state is not None:
     vars(run).update({key: state[key] for key in ('results', 'epoch', 'step', 'global_step')})
   run.log = utils.StepLog(device, writer, run.results['history'])  # After the restore.
+  # The profiler serves TensorBoard's captures while this run is held (until train returns).
+  run.profiler = xp.start_server(cfg.profiler_port) if cfg.profile else None
   return run
 
 
@@ -256,7 +258,7 @@ def save_checkpoint(run, epoch, step, best=False):
 
 def stop_run(run, epoch, step, saved=None):
   """The end of a run stopped by SIGTERM or Ctrl-C at a step boundary: saves (unless `saved`
-  holds this very state), says so."""
+  holds this very state), says so; returns the exit code (75 for SIGTERM, 130 for Ctrl-C)."""
   if saved is None and run.cfg.ckpt_dir:
     xm.master_print(f'Stopping at epoch {epoch} step {step}: saving a checkpoint ...', flush=True)
     saved = save_checkpoint(run, epoch, step)
@@ -264,7 +266,7 @@ def stop_run(run, epoch, step, saved=None):
   xm.master_print(f'Stopped by {name} at epoch {epoch} step {step}: ' +
                   (f'saved {saved}; run the same command to resume' if saved else
                    'nothing saved (no --ckpt_dir)') + f' (exit code {code})', flush=True)
-  return run.results
+  return code
 
 
 def end_epoch(run, epoch, accuracy, counts):
@@ -287,22 +289,21 @@ def end_epoch(run, epoch, accuracy, counts):
 
 
 def train(cfg, stop_signal):
-  """The run (stop_signal(): the signal this process got, or 0); returns its results."""
+  """The run (stop_signal(): the signal this process got, or 0); returns (its results, the exit
+  code) where it finishes, stops or diverges. A run that fails raises: main says why in one
+  line (exit code 2), or app.run prints the traceback of a bug (exit code 1)."""
   torch.manual_seed(cfg.seed)
   rank, world_size, device = 0, 1, torch_xla.device()
   train_loader, test_loader, num_classes = load_data(cfg, rank, world_size)
   run = start_run(cfg, num_classes, train_loader.num_batches, stop_signal)
   results = run.results
-  # The server lives as long as this reference: keep it until training ends.
-  profiler = xp.start_server(cfg.profiler_port) if cfg.profile else None
-  prefetch = dict(loader_prefetch_size=cfg.loader_prefetch_size,
-                  device_prefetch_size=cfg.device_prefetch_size,
-                  host_to_device_transfer_threads=cfg.host_to_device_transfer_threads)
+  prefetch = {name: getattr(cfg, name) for name in (
+      'loader_prefetch_size', 'device_prefetch_size', 'host_to_device_transfer_threads')}
   train_device_loader = pl.MpDeviceLoader(train_loader, device, **prefetch)
   test_device_loader = pl.MpDeviceLoader(test_loader, device, **prefetch)
   if run.epoch <= cfg.num_epochs:  # Else: 'Run already finished'.
     xm.master_print(f'Device {device}; compiling the first step ...', flush=True)
-  with utils.ends_on_divergence(results, run.log, vars(cfg)):  # Nothing saved after it.
+  try:
     for epoch in range(run.epoch, cfg.num_epochs + 1):
       first_step = run.step if epoch == run.epoch else 0
       train_loader.set_epoch(epoch, first_step)  # Skips, on the host, what a resumed run trained.
@@ -315,7 +316,7 @@ def train(cfg, stop_signal):
       seconds = time.time() - start
       results['train_seconds'] += seconds
       if stopped:
-        return stop_run(run, epoch, first_step + steps)
+        return results, stop_run(run, epoch, first_step + steps)  # Saved at this step.
       print(f'Epoch {epoch} Replica Train Samples={steps * cfg.batch_size} Device={device}/{rank}',
             flush=True)
       rate = steps * cfg.batch_size / seconds
@@ -324,14 +325,16 @@ def train(cfg, stop_signal):
                       flush=True)
       accuracy, *counts = evaluate(run.model, test_device_loader, cfg.amp)
       test_loader.check()
-      xm.master_print(f'Epoch {epoch} test end {test_utils.now()}, Accuracy={accuracy:.2f}',
-                      flush=True)
+      xm.master_print(f'Epoch {epoch} test end {test_utils.now()}, Accuracy={accuracy:.2f}', flush=True)
       stop, saved = end_epoch(run, epoch, accuracy, counts)
       if stop:
-        return stop_run(run, epoch + 1, 0, saved)
-  del profiler
-  return utils.finish_results(results, run.global_step, cfg.batch_size * world_size,
-                              run.log.writer)
+        return results, stop_run(run, epoch + 1, 0, saved)  # Saved with the epoch.
+  except utils.Diverged as error:  # From run.stop: the loss or weights ran away (see StopVote).
+    utils.say_diverged(error, results, run.log, vars(cfg))  # Nothing is saved after it.
+    utils.add_totals(results, run.global_step, cfg.batch_size * world_size, run.log.writer)
+    return results, utils.EXIT_DIVERGED
+  utils.add_totals(results, run.global_step, cfg.batch_size * world_size, run.log.writer)
+  return results, utils.say_finished(results, cfg.target_accuracy)  # 0, or 21 below the target
 
 
 def main(argv):
@@ -346,11 +349,11 @@ def main(argv):
         supervisor.check_job(cfg, build_datasets, build_model, FAKE_CLASSES,
                              {name for name in FLAGS if FLAGS[name].present})
       utils.use_compile_cache(cfg.compile_cache_dir)  # Before the first computation.
-      results = train(cfg, utils.stop_signal)
+      results, code = train(cfg, utils.stop_signal)
       utils.write_results(cfg.results_json, results)
     except utils.SAID as e:  # A bad flag, path or file, a full disk: one line.
       utils.die(e)
-  sys.exit(utils.exit_code(results, cfg.target_accuracy))
+  sys.exit(code)
 
 
 def run(argv):

@@ -420,16 +420,19 @@ def new_results(model, **extra):
               **extra)  # extra overrides.
 
 
-def finish_results(results, global_step, samples_per_step, writer):
-  """Adds the run's totals to its results, closes the TensorBoard writer, says the totals."""
+def add_totals(results, global_step, samples_per_step, writer):
+  """Adds the run's totals to its results and closes the TensorBoard writer; returns results."""
   if writer is not None:
     writer.close()
   results['train_steps'] = global_step
   results['train_samples'] = global_step * samples_per_step
   results['global_rate'] = results['train_samples'] / max(results['train_seconds'], 1e-9)
   results['compilations'] = compile_count()
-  if results.get('diverged'):  # Its error line is the last one.
-    return results
+  return results
+
+
+def say_finished(results, target_accuracy):
+  """Says a finished run's totals; returns its exit code: 0, or 21 below target_accuracy."""
   xm.master_print(f'Total train time: {results["train_seconds"]:.1f} s', flush=True)
   after = results['compilations_after_epoch']
   if after:  # Each graph compiled after epoch 1 would stall a TPU run for its compile time.
@@ -438,15 +441,6 @@ def finish_results(results, global_step, samples_per_step, writer):
         'none after epoch 1' if not late else f'{late} after epoch 1 (a new shape each: see '
         'docs/performance.md)'), flush=True)
   xm.master_print(f'Max Accuracy: {results["max_accuracy"]:.2f}%', flush=True)
-  return results
-
-
-def exit_code(results, target_accuracy):
-  """The exit code of a run with these results (see the README)."""
-  if results.get('preempted') or results.get('interrupted'):
-    return EXIT_INTERRUPTED if results.get('interrupted') else EXIT_PREEMPTED
-  if results.get('diverged'):  # Said by ends_on_divergence.
-    return EXIT_DIVERGED
   if results['final_accuracy'] < target_accuracy:
     xm.master_print(f'Accuracy {results["final_accuracy"]:.2f} is below target '
                     f'{target_accuracy:.2f}', flush=True)
@@ -883,28 +877,24 @@ class StopVote:
     return pending if xr.world_size() == 1 else xm.mesh_reduce('stop_request', pending, any)
 
 
-@contextlib.contextmanager
-def ends_on_divergence(results, log, flag_values):
-  """Around the epochs: a loss or weights that ran away (Diverged) end them, with nothing
-  saved after that step; after the step lines logged so far, the master says which run gets
-  out: the same command with a lower --lr resumes from the last checkpoint kept (saved
-  before, and holding nothing that ran away), with the new --lr."""
-  try:
-    yield
-  except Diverged as e:
-    results['diverged'] = str(e)
-    log.flush()
-    if xr.world_size() > 1:
-      xm.rendezvous('diverged')  # Every replica's step lines before the error.
-    resume_from = flag_values.get('resume') or (
-        max(list_checkpoints(flag_values['ckpt_dir']).items(), default=(0, None))[1]
-        if flag_values.get('ckpt_dir') else None)
-    lower = f'lower --lr (it is {flag_values["lr"]:g}) and run again'
-    xm.master_print(f'error: {e}: training diverged; ' + (
-        f'{lower}: the same command resumes from {resume_from} with the new --lr (no checkpoint '
-        'holds a step that ran away), or give another --ckpt_dir to start over' if resume_from
-        else f'{lower}: nothing was saved, so it starts over' if flag_values.get('ckpt_dir') else
-        lower) + f' (exit code {EXIT_DIVERGED})', fd=sys.stderr, flush=True)
+def say_diverged(error, results, log, flag_values):
+  """Marks results diverged (error: StopVote's Diverged) and, after the step lines logged so
+  far, the master says which run gets out: the same command with a lower --lr resumes from
+  the last checkpoint kept (saved before, and holding nothing that ran away), with the new
+  --lr."""
+  results['diverged'] = str(error)
+  log.flush()
+  if xr.world_size() > 1:
+    xm.rendezvous('diverged')  # Every replica's step lines before the error.
+  resume_from = flag_values.get('resume') or (
+      max(list_checkpoints(flag_values['ckpt_dir']).items(), default=(0, None))[1]
+      if flag_values.get('ckpt_dir') else None)
+  lower = f'lower --lr (it is {flag_values["lr"]:g}) and run again'
+  xm.master_print(f'error: {error}: training diverged; ' + (
+      f'{lower}: the same command resumes from {resume_from} with the new --lr (no checkpoint '
+      'holds a step that ran away), or give another --ckpt_dir to start over' if resume_from
+      else f'{lower}: nothing was saved, so it starts over' if flag_values.get('ckpt_dir') else
+      lower) + f' (exit code {EXIT_DIVERGED})', fd=sys.stderr, flush=True)
 
 
 @contextlib.contextmanager
