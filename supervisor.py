@@ -369,8 +369,8 @@ def watched(launcher, saving):
   """In the process the user started, around the run: a thread of its own takes SIGTERM and
   SIGINT, so that it acts at once even while the main thread is busy in XLA (compiling,
   say). The first asks for a stop after the current step (utils.request_stop), a second
-  Ctrl-C ends the run at once. A launcher (see utils.spawns_replicas) passes them on to its
-  replicas (`kill PID` reaches it alone), and the same thread watches them: torch_xla.launch
+  Ctrl-C ends the run at once. A launcher (where torch_xla.launch spawns the replicas) passes
+  them on to its replicas (`kill PID` reaches it alone), and the same thread watches them: torch_xla.launch
   waits for replica 0 first, and would wait forever for a run whose other replica failed,
   so when one ends with an error or a signal (the OOM killer's, say) the thread kills the
   others and their loader workers and exits with that code (128 + N for signal N). saving:

@@ -374,7 +374,8 @@ def main(argv):
                            {name for name in FLAGS if FLAGS[name].present}, recipe)
     except utils.SAID as e:
       utils.die(e)
-  launcher = utils.spawns_replicas(single_process=cfg.num_cores == 1)  # Not under torchrun.
+  # Replica processes start here, but with --num_cores 1 or under torchrun (its worker is one).
+  launcher = cfg.num_cores != 1 and not torch.distributed.is_torchelastic_launched()
   print('Starting ' + ('one replica per local XLA device' if launcher else 'one replica (--num_cores 1)'
                        if cfg.num_cores == 1 else 'the replica of this torchrun worker') + ' ...',
         flush=True)

@@ -178,6 +178,8 @@ RETRIED = (TimeoutError, asyncio.TimeoutError, ConnectionError, aiohttp.ClientEr
 CIFAR_RECIPE = dict(lr=0.1, lr_scheduler_type='none', weight_decay=5e-4, num_epochs=30)
 IMAGENET_RECIPE = dict(lr=0.1, lr_scheduler_type='none', weight_decay=1e-4, num_epochs=18)
 MODEL_RECIPES = {'resnet50': dict(lr=0.5, lr_scheduler_type='WarmupAndExponentialDecayScheduler')}
+# Per-channel mean and std of CIFAR-10's training pixels (0 to 1), for normalized.
+CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
 NO_TEST_SAMPLE = 'no test sample was read (see the warnings above): no accuracy'
 # Flags that decide an epoch's stream of batches: a resume with another value warns. (The
 # loader workers deal the shards among them.)
@@ -712,7 +714,7 @@ def normalized(images, img_dim):
   """A batch of uint8 images as the model takes them, in the step's graph: by CIFAR-10's mean
   and std at its 32 px and below, ImageNet's above."""
   if img_dim <= CIFAR_SIDE:
-    return utils.normalize(images, utils.CIFAR_MEAN, utils.CIFAR_STD)
+    return utils.normalize(images, CIFAR_MEAN, CIFAR_STD)
   return utils.normalize(images, utils.IMAGENET_MEAN, utils.IMAGENET_STD)
 
 
@@ -980,7 +982,8 @@ def main(argv):
       supervisor.check_outputs(cfg.ckpt_dir, cfg.logdir, cfg.results_json, cfg.compile_cache_dir)
   except utils.UsageError as e:
     utils.die(e)
-  launcher = utils.spawns_replicas(single_process=cfg.num_cores == 1)  # Not under torchrun.
+  # Replica processes start here, but with --num_cores 1 or under torchrun (its worker is one).
+  launcher = cfg.num_cores != 1 and not torch.distributed.is_torchelastic_launched()
   print('Starting ' + ('one replica per local XLA device' if launcher else 'one replica (--num_cores 1)'
                        if cfg.num_cores == 1 else 'the replica of this torchrun worker') + ' ...',
         flush=True)

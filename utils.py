@@ -30,7 +30,6 @@ import fsspec
 import fsspec.implementations.local
 import numpy as np
 import torch
-import torch.distributed
 import torch_xla
 import torch_xla.core.xla_model as xm
 import torch_xla.debug.metrics as met
@@ -51,7 +50,6 @@ EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a Ctrl-C.
 INTERRUPT = os.environ.get('INTERRUPT_NAME', 'Ctrl-C')
 # Per-channel mean and std of the pixels (0 to 1) that normalize() uses for uint8 images.
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)  # as torchvision's
-CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)  # CIFAR-10's train
 CHECKPOINT = re.compile(r'^ckpt-(\d+)\.pt$')
 # Flags that decide an epoch's batches: a resume with another value warns (see resume).
 BATCH_FLAGS = ('datadir', 'fake_data', 'batch_size', 'seed', 'num_steps', 'img_dim', 'drop_last')
@@ -61,8 +59,6 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 # ------------------------------------------------------------------ errors and exit codes
-
-
 class UsageError(Exception):
   """A mistake the user can fix: printed as one `error:` line, exit code 2."""
 
@@ -140,14 +136,11 @@ def set_precision(amp, bf16):
 
 
 def use_compile_cache(cache_dir, process=None):
-  """--compile_cache_dir: torch_xla's persistent compile cache there, in a folder of its own
-  for each `process` (its index in the whole run, so that hosts may share a mounted folder:
-  one writer per folder); called before the first computation. A restarted run on a TPU
-  loads its graphs instead of compiling them; XLA:CPU writes them but cannot read them
-  back (it compiles again, with a warning per graph)."""
+  """--compile_cache_dir: torch_xla's compile cache there, a folder per process (hosts may share
+  a mounted one), before the first computation (see docs/checkpoints.md)."""
   if cache_dir:
-    xr.initialize_cache(cache_dir if process is None else os.path.join(cache_dir,
-                                                                        f'process-{process}'))
+    xr.initialize_cache(os.path.join(cache_dir, f'process-{process}') if process is not None else
+                        cache_dir)
 
 
 class _WorkerPickle(pickle.Pickler):
@@ -180,8 +173,6 @@ def create_model(name, num_classes):
 
 
 # ------------------------------------------------------------------------------ data
-
-
 def load_image(path):
   """The image file at path as a uint8 RGB tensor (3 x H x W), by decode_image; a corrupt
   file, or pixels whose range is unknown, name the file in one line instead of a traceback."""
@@ -228,8 +219,9 @@ def image_folder(root, split, transform=None, splits=('train', 'val')):
     raise UsageError(f'{folder} is not a folder: {root} needs {" and ".join(splits)} with one '
                      f'folder of images per class ({folder}/CLASS/x.jpg)')
   try:
-    dataset = torchvision.datasets.ImageFolder(folder, transform, loader=load_image,
-                                               is_valid_file=is_image_file, allow_empty=True)
+    dataset = torchvision.datasets.ImageFolder(  # Which files: not kept, so a lambda pickles.
+        folder, transform, loader=load_image, allow_empty=True,
+        is_valid_file=lambda path: path.lower().endswith(IMAGE_FILES))
   except FileNotFoundError:
     raise UsageError(f'{folder} has no class folders: put the images of each class in '
                      f'{folder}/CLASS_NAME/') from None
@@ -242,10 +234,6 @@ def image_folder(root, split, transform=None, splits=('train', 'val')):
 
 # torchvision's image files, and GIFs (their first frame: PIL's, as decode_image reads them).
 IMAGE_FILES = torchvision.datasets.folder.IMG_EXTENSIONS + ('.gif',)
-
-
-def is_image_file(path):
-  return path.lower().endswith(IMAGE_FILES)
 
 
 def normalize(images, mean=IMAGENET_MEAN, std=IMAGENET_STD):
@@ -377,8 +365,6 @@ def ignore_stop_signals(worker_id=None):
 
 
 # ----------------------------------------------------------------- the log and results
-
-
 class StepLog:
   """Training lines (pytorch/xla's, which TPU users grep for) and TensorBoard scalars, in order,
   from a thread of their own: add() is a step closure, and reading the loss in the training
@@ -481,27 +467,21 @@ def write_atomically(data, url):
   if not isinstance(fs, fsspec.implementations.local.LocalFileSystem):
     fs.pipe_file(path, data)
     return
-  if os.path.dirname(path):
-    fs.makedirs(os.path.dirname(path), exist_ok=True)  # A new --ckpt_dir, say.
+  os.makedirs(os.path.dirname(path) or '.', exist_ok=True)  # A new --ckpt_dir, say.
   temporary = f'{path}.tmp{os.getpid()}'
   try:
-    with fs.open(temporary, 'wb') as f:
+    with open(temporary, 'wb') as f:
       f.write(data)
-      try:  # A local file: on disk before the rename, in case the VM goes down.
-        f.flush()
-        os.fsync(f.fileno())
-      except (AttributeError, io.UnsupportedOperation):  # Not a local file: the store commits it.
-        pass
-    fs.mv(temporary, path)
+      f.flush()
+      os.fsync(f.fileno())  # On disk before the rename, in case the VM goes down.
+    os.replace(temporary, path)
   except Exception:
-    if fs.exists(temporary):
-      fs.rm(temporary)
+    if os.path.exists(temporary):
+      os.remove(temporary)
     raise
 
 
 # -------------------------------------------------------------------------- checkpoints
-
-
 class CheckpointError(UsageError):
   """A checkpoint that cannot be used."""
 
@@ -588,8 +568,8 @@ def find_checkpoint(resume, ckpt_dir):
 
 def check_same_model(model, state, path):
   """A UsageError naming a weight that differs if the checkpoint is of another model."""
-  ours = {k: list(v.shape) for k, v in model.state_dict().items()}
-  theirs = {k: list(v.shape) for k, v in state['model'].items()}
+  ours, theirs = ({k: list(v.shape) for k, v in weights.items()}
+                  for weights in (model.state_dict(), state['model']))
   differ = sorted(k for k in ours.keys() | theirs.keys() if ours.get(k) != theirs.get(k))
   if differ:
     first = differ[0]
@@ -689,13 +669,10 @@ def request_stop(signum, frame=None):
 
 
 def stop_on_signals(launcher=False):
-  """SIGTERM (a TPU VM's notice of maintenance or preemption, torchrun's, a container's) and
-  SIGINT become a stop after the current step: called in the main thread of every process of
-  a run, the only one that may install a handler (a spawned replica: while it imports the
-  script). A launcher passes them on to its replicas, so that `kill PID` reaches them all.
-  A replica trains in a thread of torch_xla's while its main thread waits in a lock, where a
-  handler runs only if the kernel delivered the signal to that very thread: stop_signal also
-  reads the wakeup pipe Python writes every signal to, from whichever thread got it.
+  """SIGTERM and SIGINT become a stop after the current step (docs/checkpoints.md#stopping), in
+  the main thread of every process of a run (a spawned replica: as it imports the script); a
+  launcher passes them on to its replicas. A replica trains in a thread of torch_xla's, so its
+  handler may never run: stop_signal also reads the wakeup pipe Python writes every signal to.
   Returns a context to launch in, where supervisor.watched may stand instead."""
   global _wakeup
   whole_lines()
@@ -731,11 +708,8 @@ def _replica_death_said():
 
 
 def _end_the_others():
-  """Kills the other replicas once one has ended with an error or a signal: torch_xla.launch's
-  pool, broken, sends them SIGTERM (a stop, to them) and waits for them, while they wait for
-  the one that is gone in their next collective, so on a host of several replicas the run
-  would never end (pytorch/xla#7974). Their loader workers see it within 5 s (torch's
-  watchdog)."""
+  """Kills the other replicas once one has ended with an error or a signal: the broken pool
+  would wait for them while they wait for it in a collective (pytorch/xla#7974)."""
   while not _first_ended:
     _first_ended.extend(ended_replicas())
     time.sleep(0.1)
@@ -781,12 +755,6 @@ def _pass_on(signum, frame):
     os._exit(128 + signum)
   for process in replicas:
     os.kill(process.pid, signum)
-
-
-def spawns_replicas(single_process):
-  """Whether torch_xla.launch starts replica processes here: not with debug_single_process,
-  and not under torchrun, whose worker runs the replica itself (torch.distributed's test)."""
-  return not single_process and not torch.distributed.is_torchelastic_launched()
 
 
 def whole_lines():
@@ -878,10 +846,8 @@ class StopVote:
 
 
 def say_diverged(error, results, log, flag_values):
-  """Marks results diverged (error: StopVote's Diverged) and, after the step lines logged so
-  far, the master says which run gets out: the same command with a lower --lr resumes from
-  the last checkpoint kept (saved before, and holding nothing that ran away), with the new
-  --lr."""
+  """Marks results diverged (error: StopVote's) and, after the step lines logged so far, says
+  the way out: a lower --lr, from the last checkpoint (docs/checkpoints.md#a-run-that-diverges)."""
   results['diverged'] = str(error)
   log.flush()
   if xr.world_size() > 1:
@@ -899,11 +865,9 @@ def say_diverged(error, results, log, flag_values):
 
 @contextlib.contextmanager
 def replica():
-  """Around a replica's work (in _mp_fn): the replica exits when its launcher is gone (one
-  killed by SIGKILL cannot stop its replicas, which would hold the TPU), and an exception
-  ends it at once after one `error:` line (exit code 2) or, for a bug, a traceback (exit
-  code 1), so that the launcher sees it and ends the run: the others, which would wait in
-  their next collective forever (pytorch/xla#7974), end with their launcher."""
+  """Around a replica's work (in _mp_fn): an exception ends it at once after one `error:` line
+  (exit code 2) or, for a bug, a traceback (exit code 1), so that the launcher ends the run;
+  and the replica exits when its launcher is gone (docs/checkpoints.md#a-replica-that-fails)."""
   launcher = multiprocessing.parent_process()
   if launcher is not None:
     threading.Thread(target=_end_with, args=(launcher,), daemon=True).start()

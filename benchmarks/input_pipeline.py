@@ -534,7 +534,7 @@ def main(argv):
     T = torchvision.transforms
     folder = torchvision.datasets.ImageFolder(tmp / 'png', T.Compose([
         T.RandomCrop(32, padding=4), T.RandomHorizontalFlip(), T.ToTensor(),
-        T.Normalize(utils.CIFAR_MEAN, utils.CIFAR_STD)]))
+        T.Normalize(train_wds_cifar.CIFAR_MEAN, train_wds_cifar.CIFAR_STD)]))
     for workers in map(int, FLAGS.workers):
       folder_loader = torch.utils.data.DataLoader(folder, FLAGS.batch_size, shuffle=True,
                                                   num_workers=workers, drop_last=True,
