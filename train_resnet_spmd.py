@@ -379,8 +379,8 @@ def train(cfg, stop_signal):
       run.log.flush()  # Its lines before the epoch's.
       seconds = time.time() - start
       results['train_seconds'] += seconds
-      if stopped:
-        return results, stop_run(run, epoch, first_step + steps)  # Saved at this step.
+      if stopped:  # By SIGTERM or Ctrl-C: saved here (--ckpt_dir); exit code 75 or 130.
+        return results, stop_run(run, epoch, first_step + steps)
       print(f'Epoch {epoch} Host Train Samples={steps * cfg.batch_size * local_devices} '
             f'Devices={local_devices} of {devices} Host={host}', flush=True)
       rate = steps * cfg.batch_size * devices / seconds  # Every host runs every step.
@@ -391,14 +391,14 @@ def train(cfg, stop_signal):
       test_loader.check()
       xm.master_print(f'Epoch {epoch} test end {test_utils.now()}, Accuracy={accuracy:.2f}', flush=True)
       stop, saved = end_epoch(run, epoch, accuracy, counts)
-      if stop:
-        return results, stop_run(run, epoch + 1, 0, saved)  # Saved with the epoch.
+      if stop:  # The same, asked for as the epoch ended: its checkpoint holds this state.
+        return results, stop_run(run, epoch + 1, 0, saved)
   except utils.Diverged as error:  # From run.stop: the loss or weights ran away (see StopVote).
     utils.say_diverged(error, results, run.log, vars(cfg))  # Nothing is saved after it.
     utils.add_totals(results, run.global_step, cfg.batch_size * devices, run.log.writer)
     return results, utils.EXIT_DIVERGED
   utils.add_totals(results, run.global_step, cfg.batch_size * devices, run.log.writer)
-  return results, utils.say_finished(results, cfg.target_accuracy)  # 0, or 21 below the target
+  return results, utils.say_finished(results, cfg.target_accuracy)  # Done: 0, or 21 below target
 
 
 def main(argv):

@@ -888,8 +888,8 @@ def train(cfg, stop_signal):
       seconds = time.time() - start
       results['train_seconds'] += seconds
       count_data(results, train_loader.order.read_counts(), epoch, rank, cfg.trainsize)
-      if stopped:
-        return results, stop_run(run, epoch, first_step + steps)  # Saved at this step.
+      if stopped:  # By SIGTERM or Ctrl-C: saved here (--ckpt_dir); exit code 75 or 130.
+        return results, stop_run(run, epoch, first_step + steps)
       print(f'Epoch {epoch} Replica Train Samples={steps * cfg.batch_size} Device={device}/{rank}',
             flush=True)
       rate = xm.mesh_reduce('epoch_rate', steps * cfg.batch_size / seconds, sum)
@@ -902,14 +902,14 @@ def train(cfg, stop_signal):
       xm.master_print(f'Epoch {epoch} test end {test_utils.now()}, ' + (
           f'Accuracy={accuracy:.2f}' if counts[1] else NO_TEST_SAMPLE), flush=True)
       stop, saved = end_epoch(run, epoch, accuracy, counts)
-      if stop:
-        return results, stop_run(run, epoch + 1, 0, saved)  # Saved with the epoch.
+      if stop:  # The same, asked for as the epoch ended: its checkpoint holds this state.
+        return results, stop_run(run, epoch + 1, 0, saved)
   except utils.Diverged as error:  # From run.stop: the loss or weights ran away (see StopVote).
     utils.say_diverged(error, results, run.log, vars(cfg))  # Nothing is saved after it.
     utils.add_totals(results, run.global_step, cfg.batch_size * world_size, run.log.writer)
     return results, utils.EXIT_DIVERGED
   utils.add_totals(results, run.global_step, cfg.batch_size * world_size, run.log.writer)
-  return results, utils.say_finished(results, cfg.target_accuracy)  # 0, or 21 below the target
+  return results, utils.say_finished(results, cfg.target_accuracy)  # Done: 0, or 21 below target
 
 
 def count_data(results, counts, epoch, rank, trainsize):
