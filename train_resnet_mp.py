@@ -99,8 +99,7 @@ except ModuleNotFoundError as e:
     raise
   supervisor = None
 
-# A notebook may import several scripts (the same flag names) or %run one again.
-utils.redefinable(FLAGS)
+utils.redefinable(FLAGS)  # A notebook may import several scripts or %run one again.
 
 FAKE_TRAIN_SAMPLES, FAKE_TEST_SAMPLES, FAKE_CLASSES = 1_200_000, 50_000, 1000  # ImageNet's
 # Upstream's tuned resnet50 recipe (for 8 replicas of batch 128); other models get DEFAULTS.
@@ -154,8 +153,7 @@ def load_data(cfg, rank, world_size):
   train_set, test_set, num_classes = build_datasets(cfg)
   if cfg.num_workers and torch.multiprocessing.get_start_method() == 'spawn':  # A replica's
     utils.check_picklable(dict(training=train_set, evaluation=test_set))  # workers pickle them.
-  # The order is a function of (seed, epoch) and each image is cropped by its own seed, so a
-  # resumed run sees the very batches an uninterrupted one would.
+  # Batches of (seed, epoch), each crop of its sample's seed: a resume sees the very same ones.
   sampler = utils.EpochSampler(train_set, rank, world_size, cfg.seed, cfg.batch_size)
   workers = dict(num_workers=cfg.num_workers, worker_init_fn=utils.ignore_stop_signals)
   if cfg.num_workers:  # torch 2.9 raises on these without workers.
@@ -202,8 +200,7 @@ def start_run(cfg, num_classes, steps_per_epoch, stop_signal):
 
 def train_step(model, optimizer, scheduler, images, labels, amp):
   optimizer.zero_grad()
-  # --amp: convolutions and matmuls in bfloat16, weights, optimizer and reductions in float32
-  # (bfloat16 has float32's range: no gradient scaler).
+  # --amp: bfloat16 has float32's range, so no gradient scaler (see docs/tpu.md).
   with torch.autocast('xla', dtype=torch.bfloat16, enabled=amp):
     loss = F.cross_entropy(model(utils.normalize(images)), labels)
   loss.backward()
@@ -254,8 +251,7 @@ def evaluate(model, loader, amp):
 
 
 def save_checkpoint(run, epoch, step, best=False):
-  """Saves the whole training state after `step` steps of `epoch`; returns its path. Every
-  replica calls it at the same step; the master writes."""
+  """Saves the training state after `step` steps of `epoch` (every replica); returns its path."""
   torch_xla.sync()  # Runs the step's log closure, ...
   run.log.flush()  # ... and waits for it: the history saved is whole.
   run.stop.check_losses()  # Nothing that ran away is saved.
@@ -280,8 +276,7 @@ def stop_run(run, epoch, step, saved=None):
 
 
 def end_epoch(run, epoch, accuracy, counts):
-  """Adds an evaluated epoch to the results and saves it; returns (whether to stop now, the
-  checkpoint saved or None)."""
+  """Records and saves an evaluated epoch; returns (whether to stop now, its checkpoint or None)."""
   results = run.results
   best = accuracy > results['max_accuracy']
   results['epoch_accuracies'].append(accuracy)
@@ -379,7 +374,6 @@ def main(argv):
   print('Starting ' + ('one replica per local XLA device' if launcher else 'one replica (--num_cores 1)'
                        if cfg.num_cores == 1 else 'the replica of this torchrun worker') + ' ...',
         flush=True)
-  # SIGTERM and Ctrl-C stop every replica after the same step (see utils' stop section).
   with (supervisor.watched(launcher, saving=bool(cfg.ckpt_dir)) if supervisor else
         utils.stop_on_signals(launcher)):
     torch_xla.launch(_mp_fn, args=(vars(cfg),), debug_single_process=cfg.num_cores == 1)

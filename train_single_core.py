@@ -95,8 +95,7 @@ except ModuleNotFoundError as e:
     raise
   supervisor = None
 
-# A notebook may import several scripts (the same flag names) or %run one again.
-utils.redefinable(FLAGS)
+utils.redefinable(FLAGS)  # A notebook may import several scripts or %run one again.
 
 FAKE_TRAIN_SAMPLES, FAKE_TEST_SAMPLES, FAKE_CLASSES = 1_200_000, 50_000, 1000  # ImageNet's
 
@@ -145,8 +144,7 @@ def load_data(cfg, rank, world_size):
     return (fake(cfg.batch_size, FAKE_TRAIN_SAMPLES),
             fake(cfg.test_set_batch_size, FAKE_TEST_SAMPLES), FAKE_CLASSES)
   train_set, test_set, num_classes = build_datasets(cfg)
-  # The order is a function of (seed, epoch) and each image is cropped by its own seed, so a
-  # resumed run sees the very batches an uninterrupted one would.
+  # Batches of (seed, epoch), each crop of its sample's seed: a resume sees the very same ones.
   sampler = utils.EpochSampler(train_set, rank, world_size, cfg.seed, cfg.batch_size)
   workers = dict(num_workers=cfg.num_workers, worker_init_fn=utils.ignore_stop_signals)
   if cfg.num_workers:  # torch 2.9 raises on these without workers.
@@ -195,8 +193,7 @@ def start_run(cfg, num_classes, steps_per_epoch, stop_signal):
 
 def train_step(model, optimizer, scheduler, images, labels, amp):
   optimizer.zero_grad()
-  # --amp: convolutions and matmuls in bfloat16, weights, optimizer and reductions in float32
-  # (bfloat16 has float32's range: no gradient scaler).
+  # --amp: bfloat16 has float32's range, so no gradient scaler (see docs/tpu.md).
   with torch.autocast('xla', dtype=torch.bfloat16, enabled=amp):
     loss = F.cross_entropy(model(utils.normalize(images)), labels)
   loss.backward()
@@ -270,8 +267,7 @@ def stop_run(run, epoch, step, saved=None):
 
 
 def end_epoch(run, epoch, accuracy, counts):
-  """Adds an evaluated epoch to the results and saves it; returns (whether to stop now, the
-  checkpoint saved or None)."""
+  """Records and saves an evaluated epoch; returns (whether to stop now, its checkpoint or None)."""
   results = run.results
   best = accuracy > results['max_accuracy']
   results['epoch_accuracies'].append(accuracy)

@@ -150,8 +150,7 @@ except ModuleNotFoundError as e:
     raise
   supervisor = None
 
-# A notebook may import several scripts (the same flag names) or %run one again.
-utils.redefinable(FLAGS)
+utils.redefinable(FLAGS)  # A notebook may import several scripts or %run one again.
 
 # The shards: each sample is an image file and KEY.cls (the label as ASCII digits). The image is
 # KEY.rgb (CIFAR-10 as make_cifar_shards.py writes it: 3,072 raw bytes, 32x32x3 uint8, height x
@@ -761,8 +760,7 @@ def start_run(cfg, steps_per_epoch, stop_signal):
 
 def train_step(model, optimizer, scheduler, images, labels, cfg):
   optimizer.zero_grad()
-  # --amp: convolutions and matmuls in bfloat16, weights, optimizer and reductions in float32
-  # (bfloat16 has float32's range: no gradient scaler).
+  # --amp: bfloat16 has float32's range, so no gradient scaler (see docs/tpu.md).
   with torch.autocast('xla', dtype=torch.bfloat16, enabled=cfg.amp):
     # The images come as uint8 and are normalised here, on the device: a quarter of float32's
     # bytes cross from the host.
@@ -816,8 +814,7 @@ def evaluate(model, loader, cfg):
 
 
 def save_checkpoint(run, epoch, step, best=False):
-  """Saves the whole training state after `step` steps of `epoch`; returns its path. Every
-  replica calls it at the same step; the master writes."""
+  """Saves the training state after `step` steps of `epoch` (every replica); returns its path."""
   torch_xla.sync()  # Runs the step's log closure, ...
   run.log.flush()  # ... and waits for it: the history saved is whole.
   run.stop.check_losses()  # Nothing that ran away is saved.
@@ -842,8 +839,7 @@ def stop_run(run, epoch, step, saved=None):
 
 
 def end_epoch(run, epoch, accuracy, counts):
-  """Adds an evaluated epoch to the results and saves it; returns (whether to stop now, the
-  checkpoint saved or None)."""
+  """Records and saves an evaluated epoch; returns (whether to stop now, its checkpoint or None)."""
   results = run.results
   best = accuracy > results['max_accuracy']
   results['epoch_accuracies'].append(accuracy)
@@ -987,7 +983,6 @@ def main(argv):
   print('Starting ' + ('one replica per local XLA device' if launcher else 'one replica (--num_cores 1)'
                        if cfg.num_cores == 1 else 'the replica of this torchrun worker') + ' ...',
         flush=True)
-  # SIGTERM and Ctrl-C stop every replica after the same step (see utils' stop section).
   with (supervisor.watched(launcher, saving=bool(cfg.ckpt_dir)) if supervisor else
         utils.stop_on_signals(launcher)):
     torch_xla.launch(_mp_fn, args=(vars(cfg),), debug_single_process=cfg.num_cores == 1)

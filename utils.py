@@ -1,10 +1,8 @@
 # SPDX-License-Identifier: BSD-3-Clause
 """What every process of a training run does, whichever script it runs: one-line errors and
-exit codes; the data (the split of work across replicas, seeded samples, the loaders,
-normalisation on the device); the training log and results; checkpoints; and the stop that
-every replica agrees on. Nothing here reads FLAGS or holds a script's choices. A copied
-script needs this file and nothing else of the repo (supervisor.py and command.py are
-optional: see their docstrings)."""
+exit codes; the data (the split across replicas, seeded samples, loaders, normalisation on the
+device); the log and results; checkpoints; the stop every replica agrees on. It reads no FLAGS:
+a copied script needs it and nothing else (supervisor.py, command.py: optional)."""
 
 import collections
 import concurrent.futures
@@ -26,7 +24,6 @@ import traceback
 import types
 import zipfile
 
-import fsspec
 import fsspec.implementations.local
 import numpy as np
 import torch
@@ -45,12 +42,9 @@ EXIT_BELOW_TARGET = 21  # upstream's code for a run below --target_accuracy
 EXIT_DIVERGED = 22  # the loss or the weights ran away: nothing was saved after it
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped by SIGTERM after a checkpoint; run it again.
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a Ctrl-C.
-# What the user's SIGINT is called in the lines about it: a notebook's run() says "Interrupt",
-# after the button that sends it.
+# The user's SIGINT in the lines about it: a notebook's run() says "Interrupt", after its button.
 INTERRUPT = os.environ.get('INTERRUPT_NAME', 'Ctrl-C')
-# Per-channel mean and std of the pixels (0 to 1) that normalize() uses for uint8 images.
-IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)  # as torchvision's
-CHECKPOINT = re.compile(r'^ckpt-(\d+)\.pt$')
+IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)  # of pixels 0 to 1
 # Flags that decide an epoch's batches: a resume with another value warns (see resume).
 BATCH_FLAGS = ('datadir', 'fake_data', 'batch_size', 'seed', 'num_steps', 'img_dim', 'drop_last')
 CHECKPOINT_KEYS = ('model', 'optimizer', 'lr_scheduler', 'epoch', 'step', 'global_step', 'rng',
@@ -75,8 +69,7 @@ class Diverged(Exception):
   """The loss or the weights ran away at the step this names (every replica agrees on it)."""
 
 
-# What a process of a run says in one `error:` line (exit code 2) instead of a traceback: a
-# user's mistake, bad data, and what the system refused (a missing path, a full disk, ...).
+# Said in one `error:` line (exit code 2), not a traceback: a user's mistake, bad data, an OSError.
 SAID = (UsageError, BadDataError, OSError)
 
 
@@ -104,11 +97,9 @@ def parse_flags(argv, elsewhere=None):
     rest = flags.FLAGS(argv)
   except SystemExit:  # absl's --help (in a --flagfile, say) prints, then exits 1.
     sys.exit(0)
-  except flags.UnrecognizedFlagError as e:
-    die(f'--{e.flagname}: {elsewhere[e.flagname]}' if e.flagname in (elsewhere or {}) else
-        f'{e} (see --helpshort)')
   except flags.Error as e:
-    die(f'{e} (see --helpshort)')
+    known = isinstance(e, flags.UnrecognizedFlagError) and e.flagname in (elsewhere or {})
+    die(f'--{e.flagname}: {elsewhere[e.flagname]}' if known else f'{e} (see --helpshort)')
   if len(rest) > 1:
     die(f'unexpected arguments {rest[1:]}: every option is a --flag (see --helpshort)')
   return rest
@@ -126,8 +117,7 @@ def in_notebook():
 
 
 def set_precision(amp, bf16):
-  """--amp or --bf16, not both; --bf16 sets XLA_USE_BF16=1, which the runtime reads when it
-  starts and spawned replicas inherit."""
+  """--amp or --bf16, not both; --bf16 sets XLA_USE_BF16=1, which the runtime reads as it starts."""
   if amp and (bf16 or os.environ.get('XLA_USE_BF16') == '1'):
     die('give --amp or --bf16 (XLA_USE_BF16=1), not both: --amp keeps the weights and the '
         'optimizer in float32, --bf16 makes every float tensor bfloat16')
@@ -143,19 +133,16 @@ def use_compile_cache(cache_dir, process=None):
                         cache_dir)
 
 
-class _WorkerPickle(pickle.Pickler):
-  """What a loader worker started by spawn is sent of a dataset, but for its tensors and arrays
-  (taken as they are: only whether it can be sent is asked, not what it weighs)."""
-  dispatch_table = {torch.Tensor: lambda tensor: (tuple, ()), np.ndarray: lambda array: (tuple, ())}
-
-
 def check_picklable(datasets):
   """Loader workers started by spawn (a replica's) get each dataset ({name: dataset}) pickled:
   a class defined inside a function (or a lambda transform) cannot be, which would be a
-  traceback from deep inside multiprocessing. Said in one line instead."""
+  traceback from deep inside multiprocessing. Said in one line instead. Tensors and arrays are
+  taken as they are: only whether the rest can be sent is asked, not what it weighs."""
   for name, dataset in datasets.items():
+    pickler = pickle.Pickler(types.SimpleNamespace(write=len))  # Written nowhere.
+    pickler.dispatch_table = dict.fromkeys((torch.Tensor, np.ndarray), lambda _: (tuple, ()))
     try:
-      _WorkerPickle(types.SimpleNamespace(write=len)).dump(dataset)  # Written nowhere.
+      pickler.dump(dataset)
     except Exception as e:  # pickle.PicklingError, AttributeError (a local class), TypeError
       raise UsageError(f'build_datasets: the {name} set ({type(dataset).__name__}) cannot be '
                        f'sent to loader worker processes ({e}): define its class (and any '
@@ -174,8 +161,7 @@ def create_model(name, num_classes):
 
 # ------------------------------------------------------------------------------ data
 def load_image(path):
-  """The image file at path as a uint8 RGB tensor (3 x H x W), by decode_image; a corrupt
-  file, or pixels whose range is unknown, name the file in one line instead of a traceback."""
+  """decode_image of the file at path; one it cannot read is a BadDataError naming the file."""
   try:
     with open(path, 'rb') as f:
       return decode_image(f.read())
@@ -185,9 +171,8 @@ def load_image(path):
 
 def decode_image(data):
   """The image file's bytes as a uint8 RGB tensor (3 x H x W): a JPEG by torchvision's decoder
-  (libjpeg-turbo, no PIL image on the way), any other (PNG, WebP, ...) by PIL, 16-bit grey
-  scaled to 8 bits. A ValueError says why it cannot: a truncated or unknown file, pixels of
-  no known range."""
+  (libjpeg-turbo, no PIL image on the way), any other by PIL, 16-bit grey scaled to 8 bits; a
+  ValueError says why it cannot (a truncated or unknown file, pixels of no known range)."""
   if data[:3] == b'\xff\xd8\xff':
     try:
       return decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8),
@@ -211,9 +196,8 @@ def decode_image(data):
 
 
 def image_folder(root, split, transform=None, splits=('train', 'val')):
-  """torchvision's ImageFolder of root/split, its files read by load_image (those named as
-  IMAGE_FILES), or a UsageError when it is not a folder of class folders of images (splits:
-  what root must hold, for the line)."""
+  """torchvision's ImageFolder of root/split (IMAGE_FILES, read by load_image), or a UsageError
+  when it is not a folder of class folders of images (splits: what root holds, for the line)."""
   folder = os.path.join(root, split)
   if not os.path.isdir(folder):
     raise UsageError(f'{folder} is not a folder: {root} needs {" and ".join(splits)} with one '
@@ -237,9 +221,8 @@ IMAGE_FILES = torchvision.datasets.folder.IMG_EXTENSIONS + ('.gif',)
 
 
 def normalize(images, mean=IMAGENET_MEAN, std=IMAGENET_STD):
-  """What the model gets of a batch, inside the step on the device: uint8 images (0 to 255)
-  as floats normalised per channel, (x / 255 - mean) / std, in the step's graph (grey ones:
-  by the channels' averages); float images as they are (a dataset that normalises its own)."""
+  """What the model gets of a batch, in the step's graph: uint8 images as (x / 255 - mean) / std
+  per channel (grey: the channels' averages), float images as they are (see docs/adapt.md)."""
   if images.dtype != torch.uint8:
     return images
   channels = images.shape[-3]
@@ -255,8 +238,7 @@ def normalize(images, mean=IMAGENET_MEAN, std=IMAGENET_STD):
 
 @functools.lru_cache
 def _channel_constants(mean, std, device):
-  """255 x mean and 1 / (255 x std) as C x 1 x 1 tensors on the device, made once (not sent
-  at every step)."""
+  """255 x mean and 1 / (255 x std), C x 1 x 1 on the device: made once, not sent every step."""
   return (torch.tensor([255 * m for m in mean], device=device).view(-1, 1, 1),
           torch.tensor([1 / (255 * s) for s in std], device=device).view(-1, 1, 1))
 
@@ -288,9 +270,6 @@ class SeededSamples(torch.utils.data.Dataset):
   def __init__(self, dataset):
     self.dataset = dataset
 
-  def __len__(self):
-    return len(self.dataset)
-
   def __getitem__(self, key):
     with torch.random.fork_rng(devices=[]):
       torch.manual_seed(key[0])
@@ -298,9 +277,8 @@ class SeededSamples(torch.utils.data.Dataset):
 
 
 def eval_share(dataset, rank, world_size, batch_size):
-  """Samples rank, rank + world_size, ... padded with (zeros shaped like sample 0, label -1),
-  not counted, to as many batches as every replica's: none waits for another
-  (pytorch/xla#2749), and every batch has one shape."""
+  """Samples rank, rank + world_size, ... padded with (zeros like sample 0, label -1), not counted,
+  to every replica's batch count, of one shape: none waits for another (pytorch/xla#2749)."""
   image, label = dataset[0]
   # A tensor label gets a tensor -1: a batch's labels are stacked, and must be of one type.
   blank = (torch.zeros_like(image), torch.full_like(label, -1) if torch.is_tensor(label) else -1)
@@ -401,20 +379,18 @@ def new_results(model, **extra):
   """The numbers a run adds up as it goes, which --results_json writes (see docs/scripts.md)."""
   return dict(dict(model=model, world_size=xr.world_size(), epochs=0, max_accuracy=0.0,
                    final_accuracy=0.0, eval_correct=0, eval_samples=0, epoch_rates=[],
-                   epoch_accuracies=[], compilations_after_epoch=[],
-                   train_seconds=0.0, history=[], bf16=os.environ.get('XLA_USE_BF16') == '1'),
-              **extra)  # extra overrides.
+                   epoch_accuracies=[], compilations_after_epoch=[], train_seconds=0.0, history=[],
+                   bf16=os.environ.get('XLA_USE_BF16') == '1'), **extra)  # extra overrides.
 
 
 def add_totals(results, global_step, samples_per_step, writer):
-  """Adds the run's totals to its results and closes the TensorBoard writer; returns results."""
+  """Adds the run's totals to its results and closes the TensorBoard writer."""
   if writer is not None:
     writer.close()
   results['train_steps'] = global_step
   results['train_samples'] = global_step * samples_per_step
   results['global_rate'] = results['train_samples'] / max(results['train_seconds'], 1e-9)
   results['compilations'] = compile_count()
-  return results
 
 
 def say_finished(results, target_accuracy):
@@ -423,9 +399,8 @@ def say_finished(results, target_accuracy):
   after = results['compilations_after_epoch']
   if after:  # Each graph compiled after epoch 1 would stall a TPU run for its compile time.
     late = max(after[-1] - after[0], 0)  # A resumed run's first epoch compiles again.
-    xm.master_print(f'Graphs compiled: {results["compilations"]}, ' + (
-        'none after epoch 1' if not late else f'{late} after epoch 1 (a new shape each: see '
-        'docs/performance.md)'), flush=True)
+    xm.master_print(f'Graphs compiled: {results["compilations"]}, ' + (f'{late} after epoch 1 (a '
+        'new shape each: see docs/performance.md)' if late else 'none after epoch 1'), flush=True)
   xm.master_print(f'Max Accuracy: {results["max_accuracy"]:.2f}%', flush=True)
   if results['final_accuracy'] < target_accuracy:
     xm.master_print(f'Accuracy {results["final_accuracy"]:.2f} is below target '
@@ -436,13 +411,11 @@ def say_finished(results, target_accuracy):
 
 def check_learning(history, epoch, num_classes, lr, default_lr):
   """A warning when the loss stayed at chance level (ln of the class count, or above) through
-  the second half of the epoch's logged steps while --lr is the default: a model without
-  BatchNorm often does not learn at the ResNets' rate, and the run would end with exit 0."""
+  the second half of the epoch's logged steps at the default --lr: see docs/adapt.md."""
   losses = [entry['loss'] for entry in history if entry['epoch'] == epoch]
   chance = math.log(num_classes)
-  if lr != default_lr or len(losses) < 4 or num_classes < 2:
-    return
-  if min(losses[len(losses) // 2:]) >= 0.95 * chance:
+  if (lr == default_lr and len(losses) >= 4 and num_classes >= 2 and
+      min(losses[len(losses) // 2:]) >= 0.95 * chance):
     xm.master_print(f'warning: the loss stayed at chance level (ln {num_classes} = {chance:.2f}) '
                     f'through epoch {epoch} at the default learning rate {lr:g}: the model is '
                     f'not learning; try a lower --lr (such as {lr / 10:g}), as a model without '
@@ -459,10 +432,8 @@ def write_results(path, results):
 
 
 def write_atomically(data, url):
-  """Writes bytes so that no reader sees them half-written: a local file under a temporary
-  name, then renamed (a kill mid-write leaves the old file, a failed write such as a full
-  disk removes its temporary); to a bucket in one upload, which it shows only once whole (a
-  rename there is a copy, and gcsfs may try its move API for half a minute first)."""
+  """Writes bytes that no reader sees half-written: a local file under a temporary name, then
+  renamed; to a bucket in one upload, with no rename (see docs/checkpoints.md)."""
   fs, path = fsspec.core.url_to_fs(url)
   if not isinstance(fs, fsspec.implementations.local.LocalFileSystem):
     fs.pipe_file(path, data)
@@ -482,16 +453,12 @@ def write_atomically(data, url):
 
 
 # -------------------------------------------------------------------------- checkpoints
-class CheckpointError(UsageError):
-  """A checkpoint that cannot be used."""
-
-
 def list_checkpoints(ckpt_dir):
   """{global_step: path} of the checkpoints in ckpt_dir."""
   fs, path = fsspec.core.url_to_fs(ckpt_dir)
   names = [name.rsplit('/', 1)[-1] for name in fs.ls(path, detail=False)] if fs.exists(path) else []
   return {int(m.group(1)): f'{ckpt_dir.rstrip("/")}/{m.group(0)}'
-          for m in map(CHECKPOINT.match, names) if m}
+          for m in map(re.compile(r'^ckpt-(\d+)\.pt$').match, names) if m}
 
 
 def write_checkpoint(state, ckpt_dir, keep, best):
@@ -532,15 +499,15 @@ def load_checkpoint(path):
       f.seek(0)
       state = torch.load(f, map_location='cpu', weights_only=True)
   except pickle.UnpicklingError:
-    raise CheckpointError(f'checkpoint {path} holds objects other than tensors and plain '
-                          'values; refused, since loading it could run code') from None
+    raise UsageError(f'checkpoint {path} holds objects other than tensors and plain '
+                     'values; refused, since loading it could run code') from None
   except Exception as e:  # Truncated or corrupt: EOFError, RuntimeError, ...
     reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    raise CheckpointError(f'checkpoint {path} cannot be read: it is not a whole, readable '
-                          f'checkpoint file ({reason})') from None
+    raise UsageError(f'checkpoint {path} cannot be read: it is not a whole, readable '
+                     f'checkpoint file ({reason})') from None
   missing = [key for key in CHECKPOINT_KEYS if not isinstance(state, dict) or key not in state]
   if missing:
-    raise CheckpointError(f'{path} is not a checkpoint of these scripts (no {", ".join(missing)})')
+    raise UsageError(f'{path} is not a checkpoint of these scripts (no {", ".join(missing)})')
   return state
 
 
@@ -551,14 +518,14 @@ def find_checkpoint(resume, ckpt_dir):
   if xm.is_master_ordinal(local=False) and resume:
     try:
       path, state = resume, load_checkpoint(resume)
-    except CheckpointError as e:
+    except UsageError as e:
       raise UsageError(f'--resume: {e}') from None
   elif xm.is_master_ordinal(local=False) and ckpt_dir:
     for found in sorted(list_checkpoints(ckpt_dir).values(), reverse=True):
       try:
         path, state = found, load_checkpoint(found)
         break
-      except CheckpointError as e:
+      except UsageError as e:
         print(f'warning: {e}; trying the previous one', file=sys.stderr, flush=True)
   if xr.world_size() > 1:
     path = xm.mesh_reduce('resume_from', path, lambda paths: paths[0])
@@ -583,8 +550,7 @@ def check_same_model(model, state, path):
 def resume(resume_path, ckpt_dir, training, flag_values, world_size, batch_flags=BATCH_FLAGS):
   """Restores training = (model, optimizer, scheduler or None) and the RNGs from the checkpoint
   find_checkpoint chose and returns it (or None), with the --lr, --momentum and --weight_decay
-  given now (the way out of a run that diverged); warns if the checkpoint's run had another
-  number of devices (world_size), or other values of the batch_flags."""
+  given now; warns of another world_size or other batch_flags (see docs/checkpoints.md)."""
   path, state = find_checkpoint(resume_path, ckpt_dir)
   if state is None:
     return None
@@ -594,9 +560,8 @@ def resume(resume_path, ckpt_dir, training, flag_values, world_size, batch_flags
   for name in batch_flags:
     if name in state['flags'] and state['flags'][name] != flag_values.get(name):
       xm.master_print(f'warning: --{name} is {flag_values.get(name)} now, {state["flags"][name]} '
-                      f'in the run of {path}: {where} with other batches than that run would '
-                      'have trained (give its value to train as it would)', fd=sys.stderr,
-                      flush=True)
+                      f'in the run of {path}: {where} with other batches than that run would have '
+                      'trained (give its value to train as it would)', fd=sys.stderr, flush=True)
   model.load_state_dict(state['model'])
   optimizer.load_state_dict(state['optimizer'])
   if scheduler is not None and state['lr_scheduler'] is not None:
@@ -661,9 +626,8 @@ def stop_signal():
 
 
 def request_stop(signum, frame=None):
-  """The handler of SIGTERM and SIGINT: a stop after the current step. A second one (a
-  terminal's Ctrl-C reaches a torchrun worker from the terminal and from torchrun) changes
-  nothing: the first is kept."""
+  """The handler of SIGTERM and SIGINT: a stop after the current step. A second one (a terminal's
+  Ctrl-C reaches a torchrun worker from both it and torchrun) changes nothing: the first is kept."""
   global _stop_signal
   _stop_signal = _stop_signal or signum
 
@@ -679,19 +643,15 @@ def stop_on_signals(launcher=False):
   for signum in STOP_SIGNALS:
     signal.signal(signum, _pass_on if launcher else request_stop)
   if not launcher:
-    wakeup_read, wakeup_write = os.pipe()
-    os.set_blocking(wakeup_read, False)
-    os.set_blocking(wakeup_write, False)
+    _wakeup, wakeup_write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
     signal.set_wakeup_fd(wakeup_write)
-    _wakeup = wakeup_read
   return _replica_death_said() if launcher else contextlib.nullcontext()
 
 
 @contextlib.contextmanager
 def _replica_death_said():
-  """In the launcher, around torch_xla.launch: a replica process that ends with an error or a
-  signal (killed, or still importing when a stop came) ends the run at once, with one line
-  and its code (see replica_ended), not the traceback of torch_xla.launch's process pool."""
+  """Around torch_xla.launch in the launcher: a replica that ends with an error or a signal ends
+  the run at once, with one line and its code (replica_ended), not the process pool's traceback."""
   threading.Thread(target=_end_the_others, daemon=True).start()
   try:
     yield
@@ -731,10 +691,9 @@ def ended_replicas():
 
 
 def replica_ended(ended):
-  """(exit code, line or None: the replica said why) of a run whose replica processes ended
-  thus, [(pid, exit code: -N for signal N)]: first the one that said why in its `error:`
-  line, last those the broken pool ended with SIGTERM (replicas still importing have no
-  handler for it yet)."""
+  """(exit code, line or None: the replica said why) of a run whose replicas ended thus, [(pid,
+  exit code: -N for signal N)]: first one that said why in its `error:` line, last those the
+  broken pool ended with SIGTERM (replicas still importing have no handler for it yet)."""
   pid, code = min(ended, key=lambda ended: (ended[1] != 2, ended[1] == -signal.SIGTERM))
   if code == 2:
     return 2, None
@@ -758,9 +717,8 @@ def _pass_on(signum, frame):
 
 
 def whole_lines():
-  """Each line this process prints reaches the terminal, log or notebook in one write, so
-  that a line of another replica or thread cannot land inside it. With PYTHONUNBUFFERED=1
-  (common in containers and notebooks) print writes the text and its newline separately."""
+  """Each line printed reaches the terminal, log or notebook in one write, not split by another
+  replica's or thread's (under PYTHONUNBUFFERED=1 print writes the text and newline apart)."""
   for stream in (sys.stdout, sys.stderr):
     if isinstance(stream, io.TextIOWrapper):
       stream.reconfigure(line_buffering=True, write_through=False)
@@ -784,9 +742,8 @@ def record_stop(results, signum, global_step, checkpoint=None):
 
 class StopVote:
   """A stop signal on any replica (SPMD: host) as a stop after the same step on all of them;
-  and a loss or weights that ran away on any as the end of the run on all (Diverged), read
-  before every save, so that no checkpoint holds them: a NaN or infinite loss, one over
-  LOSS_BOUND times chance level (ln of the class count), a weight NaN or over WEIGHT_BOUND."""
+  and a loss or weights that ran away on any (NaN, infinite, over the bounds below) as the end
+  of the run on all (Diverged), read before every save, so that no checkpoint holds them."""
   LAG = 2
   LOSS_BOUND = 100  # times ln(classes): far above any loss a run that learns has
   WEIGHT_BOUND = 1e4  # A network that learns has its weights mostly below 1.
@@ -804,9 +761,8 @@ class StopVote:
                          scale=1.0 / xr.world_size())
 
   def health(self, loss):
-    """[loss, the largest |weight|, inf if one is NaN] in the step's graph. The weights
-    suffice: a NaN or infinite gradient, momentum or batch statistic makes them (or the loss)
-    NaN in the same step."""
+    """[loss, the largest |weight|, inf if one is NaN] in the step's graph. The weights suffice: a
+    NaN or infinite gradient, momentum or batch statistic makes them (or the loss) NaN at once."""
     # XLA's max skips NaN: it counts as inf here.
     largest = torch.stack([torch.where(torch.isnan(w), math.inf, w.abs()).max()
                            for w in self.weights]).max()
@@ -852,9 +808,8 @@ def say_diverged(error, results, log, flag_values):
   log.flush()
   if xr.world_size() > 1:
     xm.rendezvous('diverged')  # Every replica's step lines before the error.
-  resume_from = flag_values.get('resume') or (
-      max(list_checkpoints(flag_values['ckpt_dir']).items(), default=(0, None))[1]
-      if flag_values.get('ckpt_dir') else None)
+  resume_from = flag_values.get('resume') or (flag_values.get('ckpt_dir') and max(
+      list_checkpoints(flag_values['ckpt_dir']).items(), default=(0, None))[1])
   lower = f'lower --lr (it is {flag_values["lr"]:g}) and run again'
   xm.master_print(f'error: {error}: training diverged; ' + (
       f'{lower}: the same command resumes from {resume_from} with the new --lr (no checkpoint '
