@@ -501,8 +501,7 @@ class Views:
       top, left = (int(draw * (2 * self.pad + 1)) for draw in draws[:2])  # A few us, in numpy.
       view = F.pad(image, [self.pad] * 4)[:, top:top + self.side, left:left + self.side]
     else:
-      with torch.random.fork_rng(devices=[]):  # v2's transforms draw from torch's RNG.
-        torch.manual_seed(int(draws[0] * 2**53))
+      with utils.seeded(int(draws[0] * 2**53)):  # v2's transforms draw from torch's RNG.
         view = self.resized_crop(image)
     return view.flip(-1) if draws[2] < 0.5 else view
 

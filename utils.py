@@ -271,9 +271,20 @@ class SeededSamples(torch.utils.data.Dataset):
     self.dataset = dataset
 
   def __getitem__(self, key):
-    with torch.random.fork_rng(devices=[]):
-      torch.manual_seed(key[0])
+    with seeded(key[0]):
       return self.dataset[key[1]]
+
+
+@contextlib.contextmanager
+def seeded(seed):
+  """Torch's CPU generator, which random transforms draw from, seeded for the block, then as it
+  was: fork_rng and torch.manual_seed, at 1 us, not 60 (that seeds every accelerator's too)."""
+  state = torch.default_generator.get_state()
+  torch.default_generator.manual_seed(seed)
+  try:
+    yield
+  finally:
+    torch.default_generator.set_state(state)
 
 
 def eval_share(dataset, rank, world_size, batch_size):

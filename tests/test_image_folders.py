@@ -116,6 +116,16 @@ def test_folders_give_uint8_crops_seeded_per_sample(tmp_path):
   assert first.dtype == torch.uint8 and first.shape == (3, 24, 24) and label == 1
   assert torch.equal(seeded[(SEED, 1)][0], first)  # the same seed, the same crop and flip
   assert not torch.equal(seeded[(SEED + 1, 1)][0], first)
+  # The very crops the scripts drew before the seeding took 1 us instead of 60: fork_rng and
+  # torch.manual_seed (a resume of a run saved then sees the same batches); the global RNG is
+  # left as it was.
+  before = torch.get_rng_state()
+  for key in [(SEED, 0), (SEED, 1), (2**63 + 5, 2), (123456789 * 2**32 + 1, 0)]:
+    with torch.random.fork_rng(devices=[]):
+      torch.manual_seed(key[0])
+      former = train[key[1]][0]
+    assert torch.equal(seeded[key][0], former), key
+  assert torch.equal(torch.get_rng_state(), before)
   image, label = val[2]
   # Evaluation: resized to 27 (256/224 of 24) on the short side, the centre 24x24.
   resized = torchvision.transforms.v2.functional.resize(utils.load_image(
