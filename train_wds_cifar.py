@@ -29,7 +29,9 @@ SIGTERM (Ctrl-C): every replica finishes the same step, the master saves, exit c
 """
 
 import asyncio
+import bz2
 import contextlib
+import gzip
 import io
 import itertools
 import lzma
@@ -165,6 +167,9 @@ CIFAR_SIDE = 32  # --img_dim up to this trains CIFAR's way (see build_model, nor
 READ_TIMEOUT = 20  # --read_timeout's default: seconds without a byte from a remote shard
 READ_TRIES = 3  # of such a read, or one whose connection is refused or dropped (see RetriedReads)
 DOWN_AFTER = 2  # shards in a row that their server failed: it is down, and the run ends
+ZERO_BLOCK = bytes(tarfile.BLOCKSIZE)  # Two end a tar.
+KEY_AND_EXTENSION = re.compile(r'^((?:.*/|)[^.]+)[.]([^/]*)$')  # webdataset's
+SKIPPED_NAME = re.compile(r'__[^/]*__($|/)')  # webdataset's metadata, passed over
 # What a shard that cannot be read raises (a truncated or corrupt tar or compression, a disk
 # error, a pipe: command that failed); anything else is a bug in the code, and a traceback.
 DATA_ERRORS = (tarfile.TarError, ValueError, EOFError, OSError, lzma.LZMAError, zlib.error)
@@ -281,11 +286,10 @@ def shard_samples(url, on_bad, num_classes, read_timeout):
   file: the cut is said, once, not that sample."""
   stream = wds.gopen(url) if url.startswith('pipe:') else open_shard(url, read_timeout)
   with contextlib.closing(stream):
-    whole = WholeTar(stream)
-    files = wds.tariterators.tar_file_expander([dict(url=url, stream=whole)])
+    tar = TarFiles(stream)
     held = None  # What is wrong with the sample just read, said once the next one comes.
     try:
-      for sample in wds.tariterators.group_by_keys(files):
+      for sample in tar_samples(tar, url):
         if held:
           on_bad(held)
         where, held = f'sample {sample["__key__"]} of {url}', None
@@ -299,21 +303,22 @@ def shard_samples(url, on_bad, num_classes, read_timeout):
       if held:
         on_bad(held)
       raise
-    if whole.cut_short():
+    if tar.cut_short:
       on_bad(f'shard {url} cannot be read to the end (it ends inside a tar header, after '
-             f'{whole.size} bytes: the rest of it is lost)')
+             f'{tar.size} bytes: the rest of it is lost)')
     elif held:
       on_bad(held)
 
 
 def open_shard(url, read_timeout=READ_TIMEOUT):
   """A shard to read from start to end: a local file as it is; a remote one read in 4 MB
-  pieces (tarfile reads 10 KB at a time: a request each, 22,000 for a shard of ImageNet),
+  pieces (TarFiles reads a header at a time: unbuffered, a request each, 500,000 for a shard
+  of ImageNet),
   over http(s) as one stream (a server may not answer range requests), a read that stalls
   for read_timeout s or loses its connection tried again (see RetriedReads)."""
   fs, path = fsspec.core.url_to_fs(url, **stall_limit(url, read_timeout))
   if isinstance(fs, fsspec.implementations.local.LocalFileSystem):
-    return fs.open(path, 'rb')
+    return open(path, 'rb')  # Python's own: fsspec's wrapper adds a call to every read.
   # Over http(s) a stream; its size given (unknown) spares a HEAD request before each GET.
   options = dict(block_size=0, size=-1) if url.startswith(('http:', 'https:')) else {}
   return io.BufferedReader(RetriedReads(lambda: fs.open(path, 'rb', **options), url,
@@ -426,31 +431,131 @@ def http_status(error):
   return status if isinstance(status, int) and 400 <= status < 600 else None
 
 
-class WholeTar:
-  """A shard's bytes as tarfile reads them, which tell at their end whether the tar was whole:
-  tarfile takes a header cut short for the end of the archive, and says nothing, but a
-  whole tar ends in zero blocks (a compressed one is left to its decompressor)."""
+class TarFiles:
+  """(name, bytes) of each regular file of a tar stream, in order, as webdataset's reader gives
+  them (tarfile's stream mode: ustar, pax and GNU long names; gzip, bzip2 or xz compressed),
+  at a fraction of its cost a file: tarfile and webdataset's layers over it took most of the
+  time a sample took to read (docs/performance.md). As in tarfile, a header cut short ends
+  the files; here it also sets cut_short (a whole tar ends in zero blocks). A header with a
+  bad checksum (tarfile takes one past the first for the end), or a file cut short, raises
+  tarfile.ReadError."""
+  COMPRESSED = {b'\x1f\x8b': lambda f: gzip.GzipFile(fileobj=f), b'BZh': bz2.BZ2File,
+                b'\xfd7zXZ': lzma.LZMAFile}
 
   def __init__(self, stream):
-    self.stream, self.size, self.head, self.tail = stream, 0, b'', b''
+    self.stream, self.size, self.cut_short = stream, 0, False
 
-  def read(self, size=-1):
+  def read(self, size):
     data = self.stream.read(size)
-    self.head = self.head or data[:6]
     self.size += len(data)
-    self.tail = (self.tail + data[-tarfile.BLOCKSIZE:])[-tarfile.BLOCKSIZE:]  # 1 KB, not the read
     return data
 
-  def __repr__(self):  # What webdataset's errors name after "@": where in the shard.
-    return f'byte {self.size}'
+  def __iter__(self):
+    header = self.read(tarfile.BLOCKSIZE)
+    opener = next((self.COMPRESSED[magic] for magic in self.COMPRESSED if header.startswith(magic)),
+                  None)
+    if opener:
+      self.stream, self.size = opener(Prefixed(header, self.stream)), 0
+      header = self.read(tarfile.BLOCKSIZE)
+    if not header:
+      raise tarfile.ReadError('empty file')
+    names = {}  # What pax and GNU headers say of the file that follows them.
+    while len(header) == tarfile.BLOCKSIZE and header != ZERO_BLOCK:
+      if not checksum_ok(header):
+        raise tarfile.ReadError(f"a tar header with a bad checksum @ byte {self.size - 512}")
+      kind, size = header[156:157], int(names.pop('size', 0)) or tar_number(header[124:136])
+      data = self.read(size)
+      if len(data) < size:
+        raise tarfile.ReadError(f'unexpected end of data @ byte {self.size}')
+      self.read(-size % tarfile.BLOCKSIZE)  # The padding to a whole block.
+      if kind in (b'x', b'g'):  # pax ('g': for every file after it; rare, taken as 'x')
+        names.update(pax_records(data))
+      elif kind == b'L':  # GNU's long name
+        names['path'] = data.split(b'\0', 1)[0].decode('utf-8', 'surrogateescape')
+      elif kind == b'S':
+        raise tarfile.ReadError(f'a sparse file, which a shard does not hold @ byte {self.size}')
+      elif kind != b'K':  # A file, a folder, a link: the names before it were its own.
+        name = names.pop('path', None) or ustar_name(header)
+        names = {}
+        if kind in (b'0', b'\0', b'7') and not name.endswith('/'):
+          yield name, data
+      header = self.read(tarfile.BLOCKSIZE)
+    tail = header
+    while data := self.read(1 << 16):  # What follows the end: zero blocks, in a whole tar.
+      tail = (tail + data[-tarfile.BLOCKSIZE:])[-tarfile.BLOCKSIZE:]
+    self.cut_short = self.size % tarfile.BLOCKSIZE != 0 or tail != ZERO_BLOCK
 
-  def cut_short(self):
-    """Whether the stream, read to its end, is not a whole tar."""
-    while self.read(1 << 16):
-      pass
-    compressed = self.head.startswith((b'\x1f\x8b', b'BZh', b'\xfd7zXZ'))
-    return not compressed and (self.size % tarfile.BLOCKSIZE != 0 or
-                               self.tail != bytes(tarfile.BLOCKSIZE))
+
+class Prefixed:
+  """A stream whose first bytes were read already, for a decompressor to read from the start."""
+
+  def __init__(self, first, stream):
+    self.first, self.stream = first, stream
+
+  def read(self, size=-1):
+    if not self.first:
+      return self.stream.read(size)
+    data = self.first if size < 0 else self.first[:size]
+    self.first = self.first[len(data):]
+    return data
+
+
+def checksum_ok(header):
+  """Whether a tar header's checksum is right (as tarfile takes it: of unsigned or signed bytes,
+  its own 8 counted as spaces)."""
+  try:
+    stored = tar_number(header[148:156])
+  except ValueError:
+    return False
+  unsigned = sum(header) - sum(header[148:156]) + 8 * 32
+  return stored == unsigned or stored == unsigned - 256 * sum(
+      byte >= 128 for byte in header[:148] + header[156:])
+
+
+def tar_number(field):
+  """A tar header's number: octal digits, or base 256 (a first byte with its high bit)."""
+  if field[0] & 0x80:
+    return int.from_bytes(field[1:], 'big')
+  return int(field.split(b'\0', 1)[0].strip() or b'0', 8)
+
+
+def ustar_name(header):
+  name, prefix = (field.split(b'\0', 1)[0] for field in (header[:100], header[345:500]))
+  return (prefix + b'/' + name if prefix else name).decode('utf-8', 'surrogateescape')
+
+
+def pax_records(data):
+  """{key: value} of a pax header's records ("LENGTH KEY=VALUE\n" each)."""
+  records, start = {}, 0
+  while start < len(data) and data[start]:
+    length = int(data[start:data.index(b' ', start)])
+    if length <= 0:
+      raise tarfile.ReadError('a pax header of a record 0 bytes long')
+    key, _, value = data[data.index(b' ', start) + 1:start + length - 1].partition(b'=')
+    records[key.decode('utf-8', 'surrogateescape')] = value.decode('utf-8', 'surrogateescape')
+    start += length
+  return records
+
+
+def tar_samples(files, url):
+  """The samples of a tar's files as webdataset groups them: by key (the name up to the first
+  dot of its last part), each file under its extension in lower case; __...__ names passed
+  over."""
+  sample = None
+  for name, data in files:
+    match = KEY_AND_EXTENSION.match(name)
+    if not match or SKIPPED_NAME.match(name):
+      continue
+    key, extension = match[1], match[2].lower()
+    if sample is None or key != sample['__key__']:
+      if sample is not None:
+        yield sample
+      sample = dict(__key__=key, __url__=url)
+    if extension in sample:
+      raise ValueError(f'{name}: duplicate file name in tar file {extension} {sample.keys()}')
+    sample[extension] = data
+  if sample is not None:
+    yield sample
 
 
 class BadData:
@@ -641,9 +746,11 @@ class TestShards(torch.utils.data.IterableDataset):
 
 
 def collate(samples):
-  """(images, labels) of a batch from its (image, label) samples."""
-  images, labels = zip(*samples)
-  return torch.stack(images), torch.tensor(labels)
+  """(images, labels) of a batch from its (image, label) samples, by torch's default_collate:
+  in a loader worker it stacks the images into shared memory, and the batch goes to the
+  replica without a copy (torch.stack's would be copied there: 19 MB a batch of ImageNet)."""
+  images, labels = torch.utils.data.default_collate(samples)
+  return images, labels
 
 
 def load_data(cfg, rank, world_size):

@@ -15,7 +15,9 @@ ThreadingHTTPServer on 127.0.0.1) and from gs:// (a GCS emulator on 127.0.0.1, i
 gcp-storage-emulator is installed; gcsfs with no credentials), B and C by
 train_wds_cifar.TrainShards; with the page cache warm, and cold (dropped before each pass:
 root only). The servers run in processes of their own, their CPU time apart from the
-loader's. Then what each step costs a photo: file or tar reading, decode, crop.
+loader's. Then what each step costs a photo: file or tar reading (and the tar's parsing), the
+seeding, decode, crop, collate, and a batch's way from a worker; and the ceiling, decode, crop
+and flip of the same bytes in memory.
 
 32x32: samples/s of train_wds_cifar.py's shard pipeline, over shards of each image format
 it reads, against torchvision ImageFolder over the same images as loose PNG files.
@@ -424,13 +426,65 @@ def step_costs(root, sources, samples, cold):
       data = read()
       costs.append((step, cache, (time.perf_counter() - start) / samples * 1e6))
       photos = photos or data
-  for step, transform in (('decode (utils.decode_image)', utils.decode_image),
-                          ('crop and flip (RandomResizedCrop to 224)', folder.transform)):
-    start = time.perf_counter()
-    photos = [transform(photo) for photo in photos]
-    costs.append((step, '', (time.perf_counter() - start) / samples * 1e6))
+  shard = pathlib.Path(sources['B: the same as local shards'][0]).read_bytes()
+  start = time.perf_counter()
+  tar = train_wds_cifar.TarFiles(io.BytesIO(shard))
+  parsed = sum(1 for _ in train_wds_cifar.tar_samples(tar, ''))
+  costs.append(('B: of which parsing the tar, in memory (train_wds_cifar.TarFiles)', '',
+                (time.perf_counter() - start) / parsed * 1e6))
+  start = time.perf_counter()
+  for key in range(samples):
+    with utils.seeded(key):
+      pass
+  costs.append(('seed the sample (utils.seeded)', '',
+                (time.perf_counter() - start) / samples * 1e6))
+  # Each decoded and cropped, then dropped, as in a pipeline (a list of them all would time
+  # the memory's first touch too); the second of two passes.
+  decoded = [utils.decode_image(photo) for photo in photos[:8]]
+  rows = {'decode (utils.decode_image)': lambda i: utils.decode_image(photos[i]),
+          'crop and flip (RandomResizedCrop to 224)': lambda i: folder.transform(decoded[i % 8]),
+          'ceiling: decode, crop and flip':
+              lambda i: folder.transform(utils.decode_image(photos[i]))}
+  for step, work in rows.items():
+    for _ in range(2):
+      start = time.perf_counter()
+      for i in range(samples):
+        work(i)
+      micros = (time.perf_counter() - start) / samples * 1e6
+    costs.append((step, '', micros))
+  crops = [folder.transform(image) for image in decoded] * (FLAGS.batch_size // 8)
+  start = time.perf_counter()
+  for _ in range(10):
+    train_wds_cifar.collate([(crop, 0) for crop in crops])
+  costs.append((f'collate a batch of {len(crops)} (train_wds_cifar.collate)', '',
+                (time.perf_counter() - start) / 10 / len(crops) * 1e6))
   torch.set_num_threads(threads)
-  return costs
+  costs.append(worker_cost(crops))
+  return costs, 1e6 / micros  # The ceiling's: the last row of the loop.
+
+
+class Collated(torch.utils.data.Dataset):
+  """The same crops collated into a batch, again and again, as a loader worker does."""
+
+  def __init__(self, crops, count):
+    self.crops, self.count = crops, count
+
+  def __len__(self):
+    return self.count
+
+  def __getitem__(self, index):
+    return train_wds_cifar.collate([(crop, 0) for crop in self.crops])
+
+
+def worker_cost(crops, count=20):
+  """(step, '', microseconds per photo) of collating a batch in a loader worker and sending it
+  to the loader's process (through shared memory, as the scripts' workers do)."""
+  loader = torch.utils.data.DataLoader(Collated(crops, count + 1), batch_size=None, num_workers=1)
+  start = None
+  for _ in loader:
+    start = start or time.perf_counter()  # From the first batch: the worker is up.
+  micros = (time.perf_counter() - start) / count / len(crops) * 1e6
+  return ('collate in a loader worker and send it to the loader\'s process', '', micros)
 
 
 def source_rows(root, sources, servers, gets, passes, limit):
@@ -461,7 +515,7 @@ def source_rows(root, sources, servers, gets, passes, limit):
 def source_table(count, passes, limit):
   """Prints A, B and C's images/s per core, warm and cold (issue 41, item 3), a row at a
   time, then where a photo's time goes."""
-  servers, gets, cut = [], {}, []
+  servers, gets, cut, reference_0 = [], {}, [], None
   with tempfile.TemporaryDirectory() as tmp:
     root = pathlib.Path(tmp)
     size = make_photos(root, count)
@@ -480,13 +534,16 @@ def source_table(count, passes, limit):
         root, sources, servers, gets, passes, limit):
       if name.startswith('A:'):
         reference = images / wall
+        reference_0 = reference if cache == 'warm' and workers == 0 else reference_0
       cut += [f'{name}, {cache}, {workers} workers'] if wall > limit else []
       print(f'| {name} | {cache} | {workers} | {images / wall:,.0f} | '
             f'{images / wall / max(1, workers):,.0f} | {images / wall / reference:.2f}x | '
             f'{images / loader_cpu:,.0f} | {server_cpu / wall:.0%} | ' +
             (f'{requests / images / megabytes:.1f} |' if name in gets else '|'), flush=True)
     cold = drop_page_cache()  # Why cold cannot be measured, or None.
-    costs = step_costs(root, sources, min(count, 2 * count // len(shards)), not cold)
+    costs, ceiling = step_costs(root, sources, min(count, 2 * count // len(shards)), not cold)
+    print(f'| ceiling: decode, crop and flip of the bytes in memory | | 0 | {ceiling:,.0f} | '
+          f'{ceiling:,.0f} | {ceiling / reference_0:.2f}x | | | |', flush=True)
     for server in servers:
       server.terminate()
       server.join()

@@ -40,3 +40,12 @@ def test_benchmark_prints_its_tables_row_by_row():
   pipeline = re.findall(r'^\| ([^|]+) \| (\d) \| [\d,]+ \| [\d,]+ \| [\d.]+x \|$', out, re.M)
   sources = ['ImageFolder, loose PNG files', 'shards, rgb', 'shards, png', 'shards, ppm (tutorial)']
   assert pipeline == [(s, w) for w in '02' for s in sources], out
+  # The photos from files and shards, held to the ceiling of decoding and cropping them, and
+  # where a photo's time goes (issue 48's profile).
+  assert re.search(r'^\| ceiling: decode, crop and flip of the bytes in memory \| \| 0 \| [\d,]+ \| '
+                   r'[\d,]+ \| [\d.]+x \| \| \| \|$', out, re.M), out
+  steps = re.findall(r'^\| ([^|]+?) \| (?:warm|cold|) \| [\d,]+ \|$', out, re.M)
+  assert {'B: of which parsing the tar, in memory (train_wds_cifar.TarFiles)',
+          'seed the sample (utils.seeded)', 'decode (utils.decode_image)',
+          'crop and flip (RandomResizedCrop to 224)', 'ceiling: decode, crop and flip',
+          "collate in a loader worker and send it to the loader's process"} <= set(steps), out
