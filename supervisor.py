@@ -37,7 +37,6 @@ import time
 import braceexpand
 import fsspec
 import torch
-import webdataset as wds
 
 import utils
 
@@ -338,24 +337,18 @@ def check_shards(flag, pattern, strict):
   return [url for url in urls if url not in missing and not url.startswith('pipe:')]
 
 
-def check_format(flag, url, decode, foreign, open_shard, count=16):
-  """A UsageError if one of the first `count` samples of the shard is not of a kind this
-  script reads (decode(sample) raises foreign): shards of another format, or labels past the
-  classes, are one line at start, not a warning for every sample. open_shard(url): the
-  shard's bytes, as training reads them (a remote one in large pieces: a request or two)."""
-  try:
-    with open_shard(url) as stream:
-      files = wds.tariterators.tar_file_expander([dict(url=url, stream=stream)])
-      samples = list(itertools.islice(wds.tariterators.group_by_keys(files), count))
-  except Exception:
-    return  # No sample can be read: skipped with a warning (or fatal) when it is.
-  for sample in samples:
-    try:
-      decode(sample)
-    except foreign as e:
-      raise utils.UsageError(f'--{flag}: sample {sample["__key__"]} of {url} {e}') from None
-    except ValueError:
-      pass  # One corrupt sample: skipped with a warning (or fatal) when it is read.
+def check_format(flag, url, read_samples, count=16):
+  """A UsageError if one of the shard's first `count` samples is not of a kind the script reads:
+  read_samples(urls, on_bad) is the script's reader, as training reads shards, which hands each
+  failure to on_bad; one that is `foreign` (shards of another format, labels past the classes)
+  is one line at start, not a warning for every sample. Any other is left to training (a
+  sample or shard skipped with a warning, or fatal with --fail_on_bad_data)."""
+  def on_bad(error):
+    if getattr(error, 'foreign', False):
+      raise utils.UsageError(f'--{flag}: {error}')
+
+  for _ in itertools.islice(read_samples([url], on_bad), count):
+    pass
 
 
 # ------------------------------------------------------------------ the watch over the run

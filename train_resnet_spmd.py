@@ -228,20 +228,20 @@ def start_run(cfg, num_classes, steps_per_epoch, stop_signal, mesh):
                         steps_per_epoch=steps_per_epoch,
                         results=results, num_classes=num_classes, epoch=1, step=0,
                         global_step=0)
-  state = utils.resume(cfg.resume, cfg.ckpt_dir, (model, optimizer, scheduler),
-                       vars(cfg), run.results['world_size'])
+  path, state = utils.checkpoint_to_resume(cfg.resume, cfg.ckpt_dir, model, vars(cfg),
+                                           run.results['world_size'])
   if state is not None:
-    vars(run).update({key: state[key] for key in ('results', 'epoch', 'step', 'global_step')})
+    utils.say_resumed(path, state, vars(cfg), restore_checkpoint(run, state))
   run.log = utils.StepLog(device, writer, run.results['history'])  # After the restore.
   # The profiler serves TensorBoard's captures while this run is held (until train returns).
   run.profiler = xp.start_server(cfg.profiler_port) if cfg.profile else None
   return run
 
 
-def train_step(model, optimizer, scheduler, images, labels, amp):
+def train_step(model, optimizer, scheduler, images, labels, cfg):
   optimizer.zero_grad()
   # --amp: bfloat16 has float32's range, so no gradient scaler (see docs/tpu.md).
-  with torch.autocast('xla', dtype=torch.bfloat16, enabled=amp):
+  with torch.autocast('xla', dtype=torch.bfloat16, enabled=cfg.amp):
     loss = F.cross_entropy(model(utils.normalize(images)), labels)  # The mean over the global batch.
   loss.backward()
   # Not xm.optimizer_step: the compiler has already summed the gradients over the mesh.
@@ -260,7 +260,7 @@ def train_one_epoch(run, loader, epoch, first_step):
   for step, batch in enumerate(loader, first_step):
     with xp.StepTrace('train_step', step_num=step):  # Named steps in a profile; ends in a sync.
       loss = train_step(run.model, run.optimizer, run.scheduler, batch['images'], batch['labels'],
-                        cfg.amp)
+                        cfg)
       tracker.add(cfg.batch_size * run.results['world_size'])
       if step % cfg.log_steps == 0:
         xm.add_step_closure(run.log.add, args=(epoch, step, run.global_step, loss, tracker,
@@ -278,13 +278,13 @@ def train_one_epoch(run, loader, epoch, first_step):
   return steps, False
 
 
-def evaluate(model, loader, amp):
+def evaluate(model, loader, cfg):
   """(accuracy %, correct, total) over every image once; padding (label -1) is not counted."""
   model.eval()
   # Counted on the device and read once at the end: an .item() per step would sync. The
   # sums over the sharded batch are over every device of every host.
   counts = torch.zeros(2, dtype=torch.int64, device=torch_xla.device())
-  with torch.no_grad(), torch.autocast('xla', dtype=torch.bfloat16, enabled=amp):
+  with torch.no_grad(), torch.autocast('xla', dtype=torch.bfloat16, enabled=cfg.amp):
     for batch in loader:
       images, labels = batch['images'], batch['labels']
       hits = (model(utils.normalize(images)).argmax(dim=1) == labels).sum()
@@ -304,6 +304,19 @@ def save_checkpoint(run, epoch, step, best=False):
                step=step, global_step=run.global_step, flags=vars(run.cfg),
                rng=dict(torch=torch.get_rng_state(), xla=xm.get_rng_state()), results=run.results)
   return utils.write_checkpoint(state, run.cfg.ckpt_dir, run.cfg.keep_checkpoints, best)
+
+
+def restore_checkpoint(run, state):
+  """Puts save_checkpoint's state back into the run, with the --lr, --momentum and
+  --weight_decay given now (utils.new_recipe); returns what those changed."""
+  run.model.load_state_dict(state['model'])
+  run.optimizer.load_state_dict(state['optimizer'])
+  if run.scheduler is not None and state['lr_scheduler'] is not None:
+    run.scheduler.load_state_dict(state['lr_scheduler'])
+  torch.set_rng_state(state['rng']['torch'])
+  xm.set_rng_state(state['rng']['xla'])
+  vars(run).update({key: state[key] for key in ('epoch', 'step', 'global_step', 'results')})
+  return utils.new_recipe(run.optimizer, run.scheduler, state['flags'], vars(run.cfg))
 
 
 def stop_run(run, epoch, step, saved=None):
@@ -328,8 +341,8 @@ def end_epoch(run, epoch, accuracy, counts):
                  eval_samples=counts[1], max_accuracy=max(results['max_accuracy'], accuracy))
   results['compilations_after_epoch'].append(utils.compile_count())
   test_utils.write_to_summary(run.log.writer, epoch, {'Accuracy/test': accuracy})
-  default_lr = MODEL_DEFAULTS.get(run.cfg.model, DEFAULTS)['lr']
-  utils.check_learning(results['history'], epoch, run.num_classes, run.cfg.lr, default_lr)
+  utils.check_learning(results['history'], epoch, run.num_classes, run.cfg.lr,
+                       recipe(run.cfg)[1]['lr'])
   if run.cfg.metrics_debug:
     xm.master_print(met.metrics_report(), flush=True)
   saved = save_checkpoint(run, epoch + 1, 0, best=best) if run.cfg.ckpt_dir else None
@@ -383,24 +396,25 @@ def train(cfg, stop_signal):
       results['epoch_rates'] += [rate] if steps else []
       xm.master_print(f'Epoch {epoch} train end {test_utils.now()}, Reduced GlobalRate={rate:.2f}',
                       flush=True)
-      accuracy, *counts = evaluate(run.model, test_device_loader, cfg.amp)
+      accuracy, *counts = evaluate(run.model, test_device_loader, cfg)
       test_loader.check()
       xm.master_print(f'Epoch {epoch} test end {test_utils.now()}, Accuracy={accuracy:.2f}', flush=True)
       stop, saved = end_epoch(run, epoch, accuracy, counts)
       if stop:  # The same, asked for as the epoch ended: its checkpoint holds this state.
         return results, stop_run(run, epoch + 1, 0, saved)
   except utils.Diverged as error:  # From run.stop: the loss or weights ran away (see StopVote).
-    utils.say_diverged(error, results, run.log, vars(cfg))  # Nothing is saved after it.
-    utils.add_totals(results, run.global_step, cfg.batch_size * devices, run.log.writer)
-    return results, utils.EXIT_DIVERGED
-  utils.add_totals(results, run.global_step, cfg.batch_size * devices, run.log.writer)
+    results['diverged'] = str(error)  # Nothing is saved after it.
+  utils.add_totals(results, run.global_step, cfg.batch_size * devices, run.log)
+  if 'diverged' in results:
+    return results, utils.say_diverged(results['diverged'], vars(cfg))  # Exit code 22
   return results, utils.say_finished(results, cfg.target_accuracy)  # Done: 0, or 21 below target
 
 
 def main(argv):
   del argv
   cfg = SimpleNamespace(**FLAGS.flag_values_dict())
-  for name, value in MODEL_DEFAULTS.get(cfg.model, DEFAULTS).items():
+  recipe_name, settings = recipe(cfg)
+  for name, value in settings.items():
     if getattr(cfg, name) is None:
       setattr(cfg, name, value)
   utils.set_precision(cfg.amp, cfg.bf16)  # Before the runtime starts.
@@ -411,10 +425,9 @@ def main(argv):
         utils.stop_on_signals()):
     try:
       if supervisor:  # What runs, said first; bad input in one line.
-        recipe = (f"{cfg.model}'s tuned recipe" if cfg.model in MODEL_DEFAULTS else
-                  'the default recipe', MODEL_DEFAULTS.get(cfg.model, DEFAULTS))
-        supervisor.check_job(cfg, build_datasets, build_model, FAKE_CLASSES,
-                             {name for name in FLAGS if FLAGS[name].present}, recipe)
+        given = {name for name in FLAGS if FLAGS[name].present}
+        supervisor.check_job(cfg, build_datasets, build_model, FAKE_CLASSES, given,
+                             (recipe_name, settings))
       utils.use_compile_cache(cfg.compile_cache_dir, xr.process_index())  # Before any computation.
       results, code = train(cfg, utils.stop_signal)
       if utils.is_master():
@@ -422,6 +435,13 @@ def main(argv):
     except utils.SAID as e:  # A bad flag, path or file, a full disk: one line.
       utils.die(e)
   sys.exit(code)
+
+
+def recipe(cfg):
+  """(name, settings) of the recipe that the flags not given come from."""
+  if cfg.model in MODEL_DEFAULTS:
+    return f"{cfg.model}'s tuned recipe", MODEL_DEFAULTS[cfg.model]
+  return 'the default recipe', DEFAULTS
 
 
 def run(argv):

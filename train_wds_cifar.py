@@ -154,36 +154,12 @@ except ModuleNotFoundError as e:
 
 utils.redefinable(FLAGS)  # A notebook may import several scripts or %run one again.
 
-# The shards: each sample is an image file and KEY.cls (the label as ASCII digits). The image is
-# KEY.rgb (CIFAR-10 as make_cifar_shards.py writes it: 3,072 raw bytes, 32x32x3 uint8, height x
-# width x channel, decoded in about 1 us where a 32x32 PNG takes 50), or an image file as it was
-# (make_cifar_shards.py --image_folder: ImageNet's JPEGs; public WebDataset sets), or one that
-# webdataset's ShardWriter writes from a PIL image or a numpy array: tried in this order.
-IMAGE_KEYS = ('rgb', 'ppm', 'png', 'jpg', 'jpeg', 'webp', 'npy')
-PPM_HEADER = re.compile(rb'P6\s+(\d+)\s+(\d+)\s+255\s')  # 8-bit binary RGB, no comment.
-RGB_SIDE = 32  # An rgb file is a 32x32 RGB image.
-CIFAR_CLASSES = 10  # Without --num_classes or a classes file beside the shards.
-CIFAR_SIDE = 32  # --img_dim up to this trains CIFAR's way (see build_model, normalized).
-READ_TIMEOUT = 20  # --read_timeout's default: seconds without a byte from a remote shard
-READ_TRIES = 3  # of such a read, or one whose connection is refused or dropped (see RetriedReads)
-DOWN_AFTER = 2  # shards in a row that their server failed: it is down, and the run ends
-ZERO_BLOCK = bytes(tarfile.BLOCKSIZE)  # Two end a tar.
-KEY_AND_EXTENSION = re.compile(r'^((?:.*/|)[^.]+)[.]([^/]*)$')  # webdataset's
-SKIPPED_NAME = re.compile(r'__[^/]*__($|/)')  # webdataset's metadata, passed over
-# What a shard that cannot be read raises (a truncated or corrupt tar or compression, a disk
-# error, a pipe: command that failed); anything else is a bug in the code, and a traceback.
-DATA_ERRORS = (tarfile.TarError, ValueError, EOFError, OSError, lzma.LZMAError, zlib.error)
-# What a server's failure raises: tried again (see RetriedReads).
-RETRIED = (TimeoutError, asyncio.TimeoutError, ConnectionError, aiohttp.ClientError,
-           requests.exceptions.ConnectionError, requests.exceptions.Timeout)  # gcsfs: a 502
 # What the flags not given come from: CIFAR-10's usual recipe at its 32 px and below; above, the
 # image-folder scripts' ImageNet recipe (their defaults), upstream's tuned one for resnet50 (as
 # train_resnet_mp.py chooses it).
 CIFAR_RECIPE = dict(lr=0.1, lr_scheduler_type='none', weight_decay=5e-4, num_epochs=30)
 IMAGENET_RECIPE = dict(lr=0.1, lr_scheduler_type='none', weight_decay=1e-4, num_epochs=18)
 MODEL_RECIPES = {'resnet50': dict(lr=0.5, lr_scheduler_type='WarmupAndExponentialDecayScheduler')}
-# Per-channel mean and std of CIFAR-10's training pixels (0 to 1), for normalized.
-CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
 NO_TEST_SAMPLE = 'no test sample was read (see the warnings above): no accuracy'
 # Flags that decide an epoch's stream of batches: a resume with another value warns. (The
 # loader workers deal the shards among them.)
@@ -196,13 +172,32 @@ ELSEWHERE = {'datadir': 'give the shards with --wds_traindir and --wds_testdir (
                           'image-folder scripts'}
 
 
-# ------------------------------------------------------------------------------ data
+# ------------------------------------------------------------- your data and your model
+# The shards: each sample is an image file and KEY.cls (the label as ASCII digits). The image is
+# KEY.rgb (CIFAR-10 as make_cifar_shards.py writes it: 3,072 raw bytes, 32x32x3 uint8, height x
+# width x channel, decoded in about 1 us where a 32x32 PNG takes 50), or an image file as it was
+# (make_cifar_shards.py --image_folder: ImageNet's JPEGs; public WebDataset sets), or one that
+# webdataset's ShardWriter writes from a PIL image or a numpy array: tried in this order.
+IMAGE_KEYS = ('rgb', 'ppm', 'png', 'jpg', 'jpeg', 'webp', 'npy')
+PPM_HEADER = re.compile(rb'P6\s+(\d+)\s+(\d+)\s+255\s')  # 8-bit binary RGB, no comment.
+RGB_SIDE = 32  # An rgb file is a 32x32 RGB image.
+CIFAR_CLASSES = 10  # Without --num_classes or a classes file beside the shards.
+CIFAR_SIDE = 32  # --img_dim up to this trains CIFAR's way (see build_model, mean_std).
+# Per-channel mean and std of CIFAR-10's training pixels (0 to 1), for mean_std.
+CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
+
+
 class BadSample(ValueError):
-  """A sample that cannot be used, saying why."""
+  """A sample that cannot be used, saying why; at(where) says where it is too."""
+
+  def at(self, where):
+    return type(self)(f'{where} {self}')
 
 
 class ForeignSample(BadSample):
-  """A sample that is not one of a set this script can read (its files, its label)."""
+  """A sample that is not one of a set this script can read (its files, its label): one line at
+  start, not a warning for each (supervisor.check_format reads `foreign`)."""
+  foreign = True
 
 
 def parse(sample, num_classes):
@@ -250,35 +245,635 @@ def decode(image_key, data):
   return torch.from_numpy(np.ascontiguousarray(image.transpose(2, 0, 1)))
 
 
+class Views:
+  """What the model gets of an image (uint8, 3 x H x W): side x side uint8, the images of a
+  batch all one shape. In training a random view: an image of that size already (CIFAR's
+  32x32) is cropped from it padded by an eighth (4 px at 32), any other is cropped and
+  resized as torchvision's ImageNet recipe does (RandomResizedCrop); then flipped or not. In
+  evaluation an image of that size as it is, any other resized to 256/224 of it and its
+  centre cropped (as the image-folder scripts do)."""
+
+  def __init__(self, side):
+    self.side, self.pad = side, side // 8
+    self.resized_crop = v2.RandomResizedCrop(side)
+    self.centre = v2.Compose([v2.Resize(side * 256 // 224), v2.CenterCrop(side)])
+
+  def train(self, image, draws):
+    """The view that draws (3 numbers in [0, 1) of this sample alone) choose: the same with or
+    without a resume, in any loader worker."""
+    if image.shape[-2:] == (self.side, self.side):
+      top, left = (int(draw * (2 * self.pad + 1)) for draw in draws[:2])  # A few us, in numpy.
+      view = F.pad(image, [self.pad] * 4)[:, top:top + self.side, left:left + self.side]
+    else:
+      with utils.seeded(int(draws[0] * 2**53)):  # v2's transforms draw from torch's RNG.
+        view = self.resized_crop(image)
+    return view.flip(-1) if draws[2] < 0.5 else view
+
+  def eval(self, image):
+    return image if image.shape[-2:] == (self.side, self.side) else self.centre(image)
+
+
+def build_model(cfg, num_classes):
+  """The model to train: a torch.nn.Module from a float batch (N, 3, img_dim, img_dim) to
+  logits (N, num_classes); the shards' uint8 images are normalised in the step, on the
+  device (see mean_std). Here: the torchvision ResNet --model names, at CIFAR's 32 px and
+  below with the CIFAR stem. Put yours here; a --model name of your own is then accepted.
+  Images of another format: the place is parse and decode. Called in main, to check, and in
+  every replica."""
+  if not cfg.model.startswith(('resnet', 'resnext', 'wide_resnet')):
+    raise utils.UsageError(f'--model {cfg.model} is not a torchvision ResNet (resnet18, resnet50, '
+                           'resnext50_32x4d, ...): name one, or build yours in build_model')
+  model = utils.create_model(cfg.model, num_classes)
+  return cifar_stem(model) if cfg.img_dim <= CIFAR_SIDE else model
+
+
+def cifar_stem(model):
+  """A torchvision ResNet with the usual CIFAR stem: a 3x3 stride-1 first convolution and
+  no max-pool. The ImageNet stem (7x7 stride 2, then a max-pool) would shrink 32x32
+  images to 8x8 before the first block and cost accuracy."""
+  model.conv1 = torch.nn.Conv2d(3, model.conv1.out_channels, 3, 1, 1, bias=False)
+  torch.nn.init.kaiming_normal_(model.conv1.weight, mode='fan_out', nonlinearity='relu')
+  model.maxpool = torch.nn.Identity()
+  return model
+
+
+def mean_std(img_dim):
+  """The per-channel mean and std (of pixels 0 to 1) that the step normalises the shards'
+  uint8 images by, on the device (utils.normalize): CIFAR-10's at its 32 px and below,
+  ImageNet's above."""
+  if img_dim <= CIFAR_SIDE:
+    return CIFAR_MEAN, CIFAR_STD
+  return utils.IMAGENET_MEAN, utils.IMAGENET_STD
+
+
+# ------------------------------------------------------------------------- the pipeline
+class BadData:
+  """The error policy that read_samples hands each failure to (as webdataset's handler=): a
+  missing or corrupt shard or sample is raised (strict), or counted in counts[slot] with a
+  warning line for the first few, once however often it is read; counts may be a tensor that
+  the loader workers of a replica share (one slot each), so that a million bad samples are
+  not a million lines."""
+  SHOWN = 5
+
+  def __init__(self, strict, counts=None, slot=0):
+    self.strict, self.slot, self.seen = strict, slot, set()
+    self.counts = torch.zeros(1, dtype=torch.int64) if counts is None else counts
+
+  @property
+  def count(self):
+    return int(self.counts[self.slot])
+
+  def __call__(self, error):
+    message = str(error)
+    if self.strict:
+      raise utils.BadDataError(f'{message}: replace it, or drop --fail_on_bad_data to skip it')
+    if message in self.seen:  # Read again, to fill the epoch (see TrainShards.samples).
+      return
+    self.seen.add(message)
+    self.counts[self.slot] += 1
+    shown = int(self.counts.sum())
+    if shown <= self.SHOWN:
+      more = ' (more are counted, not shown: see the count at the end)' if shown == self.SHOWN else ''
+      print(f'warning: {message}; skipped{more}', file=sys.stderr, flush=True)
+
+
+def worker_share():
+  """(this loader worker, the number of them): (0, 1) without workers."""
+  info = torch.utils.data.get_worker_info()
+  return (info.id, info.num_workers) if info else (0, 1)
+
+
+class TrainShards(torch.utils.data.IterableDataset):
+  """This replica's shuffled training batches of an epoch, `batches` of them (cfg gives
+  batch_size, shuffle_buffer, img_dim, num_classes, seed, fail_on_bad_data). A worker whose
+  shards run out reads them again until the epoch has its batches: every replica runs the
+  same steps. The loader workers live through the run (spawned by a replica, each costs
+  seconds), so the epoch and first step, and each worker's counts of bad data, re-read
+  samples and samples its shards lack, are in shared memory."""
+
+  def __init__(self, urls, rank, world_size, batches, cfg):
+    self.urls, self.rank, self.world_size, self.batches, self.cfg = urls, rank, world_size, batches, cfg
+    self.views = Views(cfg.img_dim)
+    self.epoch_and_step = torch.zeros(2, dtype=torch.int64).share_memory_()
+    self.counts = torch.zeros(max(1, cfg.num_workers), 3, dtype=torch.int64).share_memory_()
+
+  def set_epoch(self, epoch, first_step=0):
+    self.epoch_and_step[:] = torch.tensor([epoch, first_step])
+    self.counts.zero_()
+
+  def read_counts(self):
+    """(bad shards or samples skipped, samples read twice, samples the shards lack of what
+    --trainsize says) in this epoch so far."""
+    return self.counts.sum(0).tolist()
+
+  def shards(self, epoch, worker, num_workers):
+    """The shards of one loader worker in an epoch. The list is shuffled the same way on every
+    replica (from seed and epoch), then dealt out: replica r takes every world_size-th shard
+    from r, and its worker w every num_workers-th of those. Every shard goes to one (replica,
+    worker) an epoch. Needs len(urls) >= world_size * num_workers."""
+    order = list(self.urls)
+    random.Random(f'{self.cfg.seed}/{epoch}').shuffle(order)
+    return order[self.rank::self.world_size][worker::num_workers]
+
+  def samples(self, shards, rng, on_bad, worker):
+    """The samples of the shards (see read_samples) with the pass, pass after pass, each pass
+    in a new shard order and shuffled in a buffer of its own: every sample once before any
+    twice. The buffer holds them undecoded (ImageNet's JPEGs: 110 KB each, a tenth of their
+    pixels); it sends one for every two it reads until full, starting once it holds a batch.
+    Shards that hold a shard's worth less than their share of --trainsize are counted: a
+    short last shard is the writer's way, fewer is a wrong --trainsize or lost data."""
+    for pass_number in itertools.count():
+      shuffle = wds.shuffle(self.cfg.shuffle_buffer, initial=self.cfg.batch_size, rng=rng)
+      read = 0
+      for sample in shuffle(read_samples(rng.sample(shards, len(shards)), on_bad,
+                                         self.cfg.num_classes, self.cfg.read_timeout)):
+        read += 1
+        yield *sample, pass_number
+      if read == 0:
+        raise utils.BadDataError(f'no readable sample in {plural(len(shards), "shard")} '
+                                 f'({shards[0]}, ...): see the warnings above')
+      lacking = self.cfg.trainsize * len(shards) / len(self.urls) - read
+      if pass_number == 0 and lacking > self.cfg.trainsize / len(self.urls):
+        self.counts[worker, 2] = round(lacking)
+
+  def __iter__(self):
+    worker, num_workers = worker_share()
+    epoch, first_step = self.epoch_and_step.tolist()
+    seed = self.cfg.seed
+    bad = BadData(self.cfg.fail_on_bad_data, self.counts[:, 0], worker)
+    # The DataLoader takes batch i from worker i % num_workers: this worker makes its share
+    # of the epoch and stops, instead of reading on for batches nobody takes. A worker whose
+    # first turn falls below first_step (a resumed run) sends None there (the loader drops
+    # it), so that the batches after first_step come in their usual order.
+    share = len(range(worker, self.batches, num_workers))
+    skip = len(range(worker, first_step, num_workers))
+    if worker < first_step % num_workers:
+      yield None
+    rng = random.Random(f'{seed}/{epoch}/{self.rank}/{worker}')  # Shard order and shuffle.
+    batches = wds.batched(self.cfg.batch_size, collation_fn=None, partial=False)(
+        self.samples(self.shards(epoch, worker, num_workers), rng, bad, worker))
+    for number, batch in enumerate(itertools.islice(batches, share), 1):
+      self.counts[worker, 1] += sum(sample[-1] > 0 for sample in batch)  # Read a second time.
+      if number <= skip:
+        continue  # Trained before the resume: read, for the shuffle, but not decoded or sent.
+      # Views drawn from a generator of this batch alone: the same with or without a resume.
+      draws = np.random.default_rng([seed, epoch, self.rank, worker, number]).random((len(batch), 3))
+      yield self.decoded(batch, draws, bad)
+
+  def decoded(self, batch, draws, on_bad):
+    """(images, labels) of a batch of samples, each image the training view of its draws. An
+    image that cannot be decoded goes to on_bad, and the batch's next readable sample takes
+    its place: a batch's samples, fixed before any decoding, are the same in a resumed run."""
+    views = []
+    for (where, image_key, data, label, _), sample_draws in zip(batch, draws):
+      try:
+        views.append((self.views.train(decode(image_key, data), sample_draws), label))
+      except BadSample as e:
+        on_bad(e.at(where))
+        views.append(None)
+    readable = [view for view in views if view is not None]
+    if not readable:
+      raise utils.BadDataError(f'no image of a batch of {len(batch)} can be read (the first: '
+                               f'{batch[0][0]}): check the shards')
+    return collate([view or next((later for later in views[i + 1:] if later), readable[0])
+                    for i, view in enumerate(views)])
+
+
+class TestShards(torch.utils.data.IterableDataset):
+  """This replica's evaluation batches: the test shards dealt out to the replicas (replica r
+  takes every world_size-th from r) and on to their loader workers, each sample once, in
+  batches of test_set_batch_size; a worker's last batch is filled up with blank images of
+  label -1, which are not counted. A replica may run fewer batches than another: evaluation
+  waits for no other replica until its sums."""
+
+  def __init__(self, urls, rank, world_size, cfg):
+    self.urls, self.cfg, self.views = urls[rank::world_size], cfg, Views(cfg.img_dim)
+    self.counts = torch.zeros(max(1, cfg.num_workers), dtype=torch.int64).share_memory_()
+
+  def __iter__(self):
+    worker, num_workers = worker_share()
+    size = self.cfg.test_set_batch_size
+    bad = BadData(self.cfg.fail_on_bad_data, self.counts, worker)
+    batch = []
+    for where, image_key, data, label in read_samples(self.urls[worker::num_workers], bad,
+                                                      self.cfg.num_classes, self.cfg.read_timeout):
+      try:
+        batch.append((self.views.eval(decode(image_key, data)), label))
+      except BadSample as e:
+        bad(e.at(where))
+      if len(batch) == size:
+        yield collate(batch)
+        batch = []
+    if batch:
+      yield collate(batch + [(torch.zeros_like(batch[0][0]), -1)] * (size - len(batch)))
+
+
+def collate(samples):
+  """(images, labels) of a batch from its (image, label) samples, by torch's default_collate:
+  in a loader worker it stacks the images into shared memory, and the batch goes to the
+  replica without a copy (torch.stack's would be copied there: 19 MB a batch of ImageNet)."""
+  images, labels = torch.utils.data.default_collate(samples)
+  return images, labels
+
+
+def load_data(cfg, rank, world_size):
+  """This replica's train loader (counted, capped at the epoch's steps) and test loader, and
+  the class count. Every replica gets the same number of train batches."""
+  train_urls = list(braceexpand.braceexpand(cfg.wds_traindir))
+  test_urls = list(braceexpand.braceexpand(cfg.wds_testdir))
+  feeders = world_size * max(1, cfg.num_workers)
+  if len(train_urls) < feeders:
+    raise utils.UsageError(
+        f'{plural(len(train_urls), "training shard")} cannot feed {plural(world_size, "replica")} '
+        f'x {plural(max(1, cfg.num_workers), "loader worker")} (each needs a shard of its own): '
+        'write more, '
+        'smaller shards (make_cifar_shards.py --samples_per_shard) or lower --num_workers')
+  steps = cfg.trainsize // (cfg.batch_size * world_size)
+  if steps == 0:
+    raise utils.UsageError(f'--trainsize {cfg.trainsize} makes no batch of {cfg.batch_size} for '
+                           f'each of {world_size} replicas: lower --batch_size')
+  train_set = TrainShards(train_urls, rank, world_size, min(steps, cfg.num_steps or steps), cfg)
+  test_set = TestShards(test_urls, rank, world_size, cfg)
+
+  def loader(dataset, workers):
+    options = dict(num_workers=workers, worker_init_fn=utils.ignore_stop_signals)
+    if workers:  # torch 2.9 raises on these without workers.
+      options.update(persistent_workers=True, prefetch_factor=cfg.prefetch_factor)
+    return torch.utils.data.DataLoader(dataset, batch_size=None, **options)
+
+  # Test shards are fewer: a worker for each of this replica's, up to --num_workers.
+  return (utils.EpochLoader(loader(train_set, cfg.num_workers), train_set.batches,
+                            order=train_set),
+          utils.EpochLoader(loader(test_set, min(cfg.num_workers, len(test_set.urls))),
+                            cfg.num_steps or sys.maxsize), cfg.num_classes)
+
+
+# ------------------------------------------------------------------------------ loop
+def start_run(cfg, num_classes, steps_per_epoch, stop_signal):
+  """Model, optimizer, LR schedule, log, stop vote and results of this replica, restored from
+  the newest checkpoint if there is one; run.epoch and run.step are where training goes on."""
+  device = torch_xla.device()
+  model = build_model(cfg, num_classes).to(device)
+  xm.broadcast_master_param(model)  # Every replica starts from the master's weights.
+  optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum,
+                              weight_decay=cfg.weight_decay)
+  scheduler = None
+  if cfg.lr_scheduler_type == 'WarmupAndExponentialDecayScheduler':
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: utils.warmup_step_decay(
+        step, steps_per_epoch, cfg.lr_warmup_epochs, cfg.lr_scheduler_divide_every_n_epochs,
+        cfg.lr_scheduler_divisor))
+  writer = SummaryWriter(cfg.logdir) if cfg.logdir and xm.is_master_ordinal() else None
+  run = SimpleNamespace(cfg=cfg, model=model, optimizer=optimizer, scheduler=scheduler,
+                        stop=utils.StopVote(device, stop_signal, optimizer, num_classes),
+                        stop_signal=stop_signal, steps_per_epoch=steps_per_epoch,
+                        results=utils.new_results(cfg.model, amp=cfg.amp, skipped_bad_data=0,
+                                                  repeated_samples=0),
+                        num_classes=num_classes, epoch=1, step=0, global_step=0)
+  path, state = utils.checkpoint_to_resume(cfg.resume, cfg.ckpt_dir, model, vars(cfg),
+                                           run.results['world_size'], BATCH_FLAGS)
+  if state is not None:
+    utils.say_resumed(path, state, vars(cfg), restore_checkpoint(run, state))
+  run.log = utils.StepLog(device, writer, run.results['history'])  # After the restore.
+  # The profiler serves TensorBoard's captures while this run is held (until train returns).
+  run.profiler = xp.start_server(cfg.profiler_port + xr.local_ordinal()) if cfg.profile else None
+  return run
+
+
+def train_step(model, optimizer, scheduler, images, labels, cfg):
+  optimizer.zero_grad()
+  # --amp: bfloat16 has float32's range, so no gradient scaler (see docs/tpu.md).
+  with torch.autocast('xla', dtype=torch.bfloat16, enabled=cfg.amp):
+    loss = F.cross_entropy(model(utils.normalize(images, *mean_std(cfg.img_dim))), labels)
+  loss.backward()
+  xm.optimizer_step(optimizer)  # All-reduces the gradients over every replica, then steps.
+  if scheduler is not None:
+    scheduler.step()
+  return loss
+
+
+def train_one_epoch(run, loader, epoch, first_step):
+  """Trains the epoch from step first_step on; returns (steps run, whether to stop now)."""
+  cfg = run.cfg
+  tracker = xm.RateTracker()
+  run.model.train()
+  steps = 0
+  for step, (images, labels) in enumerate(loader, first_step):
+    with xp.StepTrace('train_step', step_num=step):  # Named steps in a profile; ends in a sync.
+      loss = train_step(run.model, run.optimizer, run.scheduler, images, labels, cfg)
+      tracker.add(cfg.batch_size)
+      if step % cfg.log_steps == 0:
+        xm.add_step_closure(run.log.add, args=(epoch, step, run.global_step, loss, tracker,
+                                               run.optimizer.param_groups[0]['lr']))
+      # The same answer on every replica (and the end of the run if loss or weights run away).
+      stopping = run.stop.agreed_after_step(loss, f'epoch {epoch} step {step}')
+    steps += 1
+    run.global_step += 1
+    if stopping:
+      return steps, True
+    # The epoch's last step is saved at its end, with its evaluation.
+    if (cfg.ckpt_dir and cfg.ckpt_every_steps and run.global_step % cfg.ckpt_every_steps == 0
+        and step + 1 < run.steps_per_epoch):
+      save_checkpoint(run, epoch, step + 1)
+  return steps, False
+
+
+def evaluate(model, loader, cfg):
+  """(accuracy %, correct, total) over all replicas; padding (label -1) is not counted."""
+  model.eval()
+  # Counted on the device and read once at the end: an .item() per step would sync.
+  counts = torch.zeros(2, dtype=torch.int64, device=torch_xla.device())
+  with torch.no_grad(), torch.autocast('xla', dtype=torch.bfloat16, enabled=cfg.amp):
+    for images, labels in loader:
+      hits = (model(utils.normalize(images, *mean_std(cfg.img_dim))).argmax(dim=1) == labels).sum()
+      counts += torch.stack([hits, (labels >= 0).sum()])
+  # Sums, not a mean of replica accuracies: replicas may hold different numbers of images.
+  correct, total = xm.all_reduce(xm.REDUCE_SUM, counts).tolist()
+  return 100.0 * correct / max(total, 1), correct, total
+
+
+def save_checkpoint(run, epoch, step, best=False):
+  """Saves the training state after `step` steps of `epoch` (every replica); returns its path."""
+  torch_xla.sync()  # Runs the step's log closure, ...
+  run.log.flush()  # ... and waits for it: the history saved is whole.
+  run.stop.check_losses()  # Nothing that ran away is saved.
+  state = dict(model=run.model.state_dict(), optimizer=run.optimizer.state_dict(),
+               lr_scheduler=run.scheduler.state_dict() if run.scheduler else None, epoch=epoch,
+               step=step, global_step=run.global_step, flags=vars(run.cfg),
+               rng=dict(torch=torch.get_rng_state(), xla=xm.get_rng_state()), results=run.results)
+  return utils.write_checkpoint(state, run.cfg.ckpt_dir, run.cfg.keep_checkpoints, best)
+
+
+def restore_checkpoint(run, state):
+  """Puts save_checkpoint's state back into the run, with the --lr, --momentum and
+  --weight_decay given now (utils.new_recipe); returns what those changed."""
+  run.model.load_state_dict(state['model'])
+  run.optimizer.load_state_dict(state['optimizer'])
+  if run.scheduler is not None and state['lr_scheduler'] is not None:
+    run.scheduler.load_state_dict(state['lr_scheduler'])
+  torch.set_rng_state(state['rng']['torch'])
+  xm.set_rng_state(state['rng']['xla'])
+  vars(run).update({key: state[key] for key in ('epoch', 'step', 'global_step', 'results')})
+  return utils.new_recipe(run.optimizer, run.scheduler, state['flags'], vars(run.cfg))
+
+def stop_run(run, epoch, step, saved=None):
+  """The end of a run stopped by SIGTERM or Ctrl-C at a step boundary: saves (unless `saved`
+  holds this very state), says so; returns the exit code (75 for SIGTERM, 130 for Ctrl-C)."""
+  if saved is None and run.cfg.ckpt_dir:
+    xm.master_print(f'Stopping at epoch {epoch} step {step}: saving a checkpoint ...', flush=True)
+    saved = save_checkpoint(run, epoch, step)
+  name, code = utils.record_stop(run.results, run.stop_signal(), run.global_step, saved)
+  xm.master_print(f'Stopped by {name} at epoch {epoch} step {step}: ' +
+                  (f'saved {saved}; run the same command to resume' if saved else
+                   'nothing saved (no --ckpt_dir)') + f' (exit code {code})', flush=True)
+  return code
+
+
+def end_epoch(run, epoch, accuracy, counts):
+  """Records and saves an evaluated epoch; returns (whether to stop now, its checkpoint or None)."""
+  results = run.results
+  best = accuracy > results['max_accuracy']
+  results['epoch_accuracies'].append(accuracy)
+  results.update(epochs=epoch, final_accuracy=accuracy, eval_correct=counts[0],
+                 eval_samples=counts[1], max_accuracy=max(results['max_accuracy'], accuracy))
+  results['compilations_after_epoch'].append(utils.compile_count())
+  test_utils.write_to_summary(run.log.writer, epoch, {'Accuracy/test': accuracy})
+  utils.check_learning(results['history'], epoch, run.num_classes, run.cfg.lr,
+                       recipe(run.cfg)[1]['lr'])
+  if run.cfg.metrics_debug:
+    xm.master_print(met.metrics_report(), flush=True)
+  saved = save_checkpoint(run, epoch + 1, 0, best=best) if run.cfg.ckpt_dir else None
+  # After the last epoch a stop has nothing left to stop: the run ends as done.
+  return epoch < run.cfg.num_epochs and run.stop.agreed_at_epoch_end(), saved
+
+
+def train(cfg, stop_signal):
+  """One replica's run (stop_signal(): the signal it got, or 0); returns (its results, the exit
+  code) where it finishes, stops or diverges. A replica that fails raises: utils.replica, in
+  _mp_fn, says why and ends the run (exit code 2, or 1 and a traceback for a bug)."""
+  torch.manual_seed(cfg.seed)
+  rank, world_size, device = xr.global_ordinal(), xr.world_size(), torch_xla.device()
+  train_loader, test_loader, num_classes = load_data(cfg, rank, world_size)
+  run = start_run(cfg, num_classes, train_loader.num_batches, stop_signal)
+  results = run.results
+  prefetch = {name: getattr(cfg, name) for name in (
+      'loader_prefetch_size', 'device_prefetch_size', 'host_to_device_transfer_threads')}
+  train_device_loader = pl.MpDeviceLoader(train_loader, device, **prefetch)
+  test_device_loader = pl.MpDeviceLoader(test_loader, device, **prefetch)
+  if run.epoch <= cfg.num_epochs:  # Else: 'Run already finished'.
+    xm.master_print(f'Replicas started: {world_size}; compiling the first step ...', flush=True)
+  try:
+    for epoch in range(run.epoch, cfg.num_epochs + 1):
+      first_step = run.step if epoch == run.epoch else 0
+      train_loader.set_epoch(epoch, first_step)  # Skips, on the host, what a resumed run trained.
+      xm.master_print(f'Epoch {epoch} train begin {test_utils.now()}', flush=True)
+      start = time.time()
+      steps, stopped = train_one_epoch(run, train_device_loader, epoch, first_step)
+      train_loader.check()
+      xm.wait_device_ops()  # Time the device work, not just the tracing.
+      run.log.flush()  # Its lines before the epoch's.
+      seconds = time.time() - start
+      results['train_seconds'] += seconds
+      count_data(results, train_loader.order.read_counts(), epoch, rank, cfg.trainsize)
+      if stopped:  # By SIGTERM or Ctrl-C: saved here (--ckpt_dir); exit code 75 or 130.
+        return results, stop_run(run, epoch, first_step + steps)
+      print(f'Epoch {epoch} Replica Train Samples={steps * cfg.batch_size} Device={device}/{rank}',
+            flush=True)
+      rate = xm.mesh_reduce('epoch_rate', steps * cfg.batch_size / seconds, sum)
+      results['epoch_rates'] += [rate] if steps else []
+      xm.master_print(f'Epoch {epoch} train end {test_utils.now()}, Reduced GlobalRate={rate:.2f}',
+                      flush=True)
+      accuracy, *counts = evaluate(run.model, test_device_loader, cfg)
+      test_loader.check()
+      count_test_data(cfg, int(test_loader.loader.dataset.counts.sum()), counts[1], epoch, rank)
+      xm.master_print(f'Epoch {epoch} test end {test_utils.now()}, ' + (
+          f'Accuracy={accuracy:.2f}' if counts[1] else NO_TEST_SAMPLE), flush=True)
+      stop, saved = end_epoch(run, epoch, accuracy, counts)
+      if stop:  # The same, asked for as the epoch ended: its checkpoint holds this state.
+        return results, stop_run(run, epoch + 1, 0, saved)
+  except utils.Diverged as error:  # From run.stop: the loss or weights ran away (see StopVote).
+    results['diverged'] = str(error)  # Nothing is saved after it.
+  utils.add_totals(results, run.global_step, cfg.batch_size * world_size, run.log)
+  if 'diverged' in results:
+    return results, utils.say_diverged(results['diverged'], vars(cfg))  # Exit code 22
+  return results, utils.say_finished(results, cfg.target_accuracy)  # Done: 0, or 21 below target
+
+
+def count_data(results, counts, epoch, rank, trainsize):
+  """Adds an epoch's bad data skipped and samples read twice to the results; says so, and
+  shards that lack samples of what --trainsize says."""
+  bad, repeated, lacking = counts
+  results['skipped_bad_data'] += bad
+  results['repeated_samples'] += repeated
+  if lacking:
+    print(f'warning: epoch {epoch} replica {rank}: its shards lack about {lacking} samples of its '
+          f'share of --trainsize {trainsize} (bad shards, or fewer samples than it says); '
+          f'{repeated} were read a second time to run the same steps as every replica',
+          file=sys.stderr, flush=True)
+  if bad:
+    print(f'Epoch {epoch} Replica {rank}: skipped {bad} bad shards or samples', flush=True)
+
+
+def count_test_data(cfg, bad, total, epoch, rank):
+  """Says the bad test data skipped in an epoch, and a --testsize that is not what was read."""
+  if bad:  # Not in the results: they count training data.
+    print(f'Epoch {epoch} Replica {rank}: skipped {bad} bad shards or samples of the test shards',
+          flush=True)
+  if cfg.testsize and total != cfg.testsize and not cfg.num_steps and epoch == 1:
+    xm.master_print(f'warning: the test shards hold {total} readable samples, --testsize is '
+                    f'{cfg.testsize}', fd=sys.stderr)
+
+
+def _mp_fn(index, flag_values):
+  """One replica. flag_values is a plain dict: absl's FLAGS do not cross the spawn."""
+  del index  # The global ordinal comes from the runtime.
+  cfg = SimpleNamespace(**flag_values)
+  with utils.replica():  # A replica that fails ends at once, and so the whole run.
+    utils.use_compile_cache(cfg.compile_cache_dir, xr.global_ordinal())  # Before any computation.
+    results, code = train(cfg, utils.stop_signal)
+    if xm.is_master_ordinal():
+      utils.write_results(cfg.results_json, results)
+  sys.exit(code)
+
+
+def main(argv):
+  del argv
+  cfg = SimpleNamespace(**FLAGS.flag_values_dict())
+  recipe_name, settings = recipe(cfg)
+  for name, value in settings.items():
+    if getattr(cfg, name) is None:
+      setattr(cfg, name, value)
+  utils.set_precision(cfg.amp, cfg.bf16)  # Before the runtime starts.
+  try:
+    if supervisor:  # Checked here, once, before any replica starts: bad input is one line, not N.
+      cfg.num_workers = supervisor.usable_workers(cfg.num_workers, FLAGS['num_workers'].present)
+      found = {flag: supervisor.check_shards(flag, getattr(cfg, flag), cfg.fail_on_bad_data)
+               for flag in ('wds_traindir', 'wds_testdir')}
+    classes = shard_classes(cfg.wds_traindir)
+    if classes and cfg.num_classes and cfg.num_classes > len(classes):  # Fewer: labels past it.
+      print(f'warning: --num_classes {cfg.num_classes} is more than the {len(classes)} classes of '
+            'the classes file beside the training shards: the model gets outputs that no label '
+            'asks for', file=sys.stderr, flush=True)
+    cfg.num_classes = cfg.num_classes or (len(classes) if classes else CIFAR_CLASSES)
+    if supervisor:
+      for flag, urls in found.items():
+        if urls:
+          supervisor.check_format(flag, urls[0], lambda urls, on_bad: read_samples(
+              urls, on_bad, cfg.num_classes, cfg.read_timeout))
+      print(describe_data(cfg, classes))
+      print(supervisor.describe_model(cfg.model, build_model(cfg, cfg.num_classes), cfg.num_classes))
+      given = {name for name in FLAGS if FLAGS[name].present}
+      print(supervisor.describe_recipe(cfg, supervisor.recipe_source(given, recipe_name, settings)),
+            flush=True)
+      supervisor.check_outputs(cfg.ckpt_dir, cfg.logdir, cfg.results_json, cfg.compile_cache_dir)
+  except utils.UsageError as e:
+    utils.die(e)
+  # Replica processes start here, but with --num_cores 1 or under torchrun (its worker is one).
+  launcher = cfg.num_cores != 1 and not torch.distributed.is_torchelastic_launched()
+  print('Starting ' + ('one replica per local XLA device' if launcher else 'one replica (--num_cores 1)'
+                       if cfg.num_cores == 1 else 'the replica of this torchrun worker') + ' ...',
+        flush=True)
+  with (supervisor.watched(launcher, saving=bool(cfg.ckpt_dir)) if supervisor else
+        utils.stop_on_signals(launcher)):
+    torch_xla.launch(_mp_fn, args=(vars(cfg),), debug_single_process=cfg.num_cores == 1)
+
+
+def recipe(cfg):
+  """(name, settings) of the recipe that the flags not given come from (see CIFAR_RECIPE)."""
+  if cfg.img_dim <= CIFAR_SIDE:
+    return "CIFAR-10's recipe", CIFAR_RECIPE
+  if cfg.model in MODEL_RECIPES:
+    return f"{cfg.model}'s tuned ImageNet recipe", {**IMAGENET_RECIPE, **MODEL_RECIPES[cfg.model]}
+  return 'the ImageNet recipe', IMAGENET_RECIPE
+
+
+def shard_classes(pattern):
+  """The class names of the classes file that make_cifar_shards.py writes beside the shards
+  (PREFIX-classes.txt for PREFIX-train-{...}.tar, a name a line), or None if there is none."""
+  name, found = re.subn(r'-train-[^/]*$', '-classes.txt', pattern)
+  if not found or name.startswith('pipe:'):
+    return None
+  try:
+    with fsspec.open(name, 'r') as f:
+      return [line.strip() for line in f if line.strip()]
+  except FileNotFoundError:
+    return None
+  except OSError as e:
+    raise utils.UsageError(f'cannot read {name} ({e}): check it, or give --num_classes') from None
+
+
+def describe_data(cfg, classes):
+  """The Data line: what the run trains on."""
+  train, test = (len(list(braceexpand.braceexpand(pattern)))
+                 for pattern in (cfg.wds_traindir, cfg.wds_testdir))
+  test_samples = f'{cfg.testsize:,} evaluation samples' if cfg.testsize else 'the evaluation samples'
+  source = ('--num_classes' if FLAGS['num_classes'].present else
+            'the classes file beside the training shards' if classes else
+            "CIFAR-10's; give --num_classes for other shards")
+  return (f'Data: {cfg.trainsize:,} training samples in {plural(train, "shard")} and '
+          f'{test_samples} in {test}, at 3x{cfg.img_dim}x{cfg.img_dim} uint8, {cfg.num_classes} '
+          f'classes ({source})')
+
+
+def plural(count, noun):
+  return f'{count} {noun}' + ('' if count == 1 else 's')
+
+
+def run(argv):
+  """This script from Python or a notebook cell: run(['--flag', value, ...]) returns the
+  results (see --results_json) or raises what the exit code means (see command.py)."""
+  import command  # Only run() and %run need command.py.
+  return command.run(__file__, argv)
+
+
+# ==================================================================== the shard reading
+# Nothing below this rule needs editing to adapt the script: the shards' bytes from a disk, a
+# server, a bucket or a pipe, on deadlines and tried again where a server fails, and the tar
+# reader. The pipeline reaches it through read_samples, which hands every failure to one
+# callable (BadData, above). The file then ends, as every script does, with its entry point.
+READ_TIMEOUT = 20  # --read_timeout's default: seconds without a byte from a remote shard
+READ_TRIES = 3  # of such a read, or one whose connection is refused or dropped (see RetriedReads)
+DOWN_AFTER = 2  # shards in a row that their server failed: it is down, and the run ends
+ZERO_BLOCK = bytes(tarfile.BLOCKSIZE)  # Two end a tar.
+KEY_AND_EXTENSION = re.compile(r'^((?:.*/|)[^.]+)[.]([^/]*)$')  # webdataset's
+SKIPPED_NAME = re.compile(r'__[^/]*__($|/)')  # webdataset's metadata, passed over
+# What a shard that cannot be read raises, and what a server's failure raises (see failure):
+# anything else is a bug in the code, and a traceback.
+DATA_ERRORS = (tarfile.TarError, ValueError, EOFError, OSError, lzma.LZMAError, zlib.error)
+RETRIED = (TimeoutError, asyncio.TimeoutError, ConnectionError, aiohttp.ClientError,
+           requests.exceptions.ConnectionError, requests.exceptions.Timeout)  # gcsfs: a 502
+
+
+class BadShard(Exception):
+  """A shard that is missing or cannot be read to the end, saying which and why."""
+
+
 def read_samples(urls, on_bad, num_classes, read_timeout=READ_TIMEOUT):
-  """(where, image file key, its bytes, label) of every sample of the shards in turn, where
-  naming it in a message. A shard that is missing, cannot be read to the end, or whose server
-  fails it (see RetriedReads), and a sample without an image file and a label, are passed to
-  on_bad(message), which raises or counts them, and reading goes on; but a server that failed
-  DOWN_AFTER shards in a row is down, and ends the run. Any other exception is a bug: raised."""
+  """(where, image file key, its bytes, label) of every sample of the shards in turn, `where`
+  naming it in a message. Each failure is handed to on_bad as an exception that says what
+  and where (BadShard; parse's BadSample or ForeignSample), which raises or counts it, and
+  reading goes on; but a server that failed DOWN_AFTER shards in a row is down, and ends the
+  run. Whose failure it is, the data's or the server's: failure(). A bug's is raised."""
   failed = []  # Shards in a row that their server failed.
   for url in urls:
     try:
       yield from shard_samples(url, on_bad, num_classes, read_timeout)
       failed.clear()
-    except ServerFailed as e:
-      failed.append(url)
+    except Exception as e:
+      kind = failure(e)
+      if kind is None:
+        raise  # A bug of the code: a traceback.
+      server = isinstance(e, ServerFailed)
+      failed = failed + [url] if server else []
       if len(failed) == DOWN_AFTER:
         raise utils.BadDataError(
             f'{e.server} does not answer: {e.reason}, {READ_TRIES} tries each, for shard '
             f'{failed[0]} and then {url}; check that it is up and that this host '
             f'({socket.gethostname()}) reaches it, then run the same command again (with '
             '--ckpt_dir it resumes from the last checkpoint)') from None
-      on_bad(f'shard {url} cannot be read: {e.reason} ({READ_TRIES} tries)')
-    except FileNotFoundError:
-      failed.clear()
-      on_bad(f'shard {url} is missing')
-    except Exception as e:  # A truncated or corrupt tar, a disk or server that refuses it.
-      if not isinstance(e, DATA_ERRORS) and not refused(e):
-        raise  # A bug of the code: a traceback.
-      failed.clear()
-      on_bad(f'shard {url} cannot be read to the end ({type(e).__name__}: '
-             f'{e.args[0] if e.args else e})')
+      on_bad(BadShard(f'shard {url} is missing' if kind == 'missing' else
+                      f'shard {url} cannot be read: {e.reason} ({READ_TRIES} tries)' if server else
+                      f'shard {url} cannot be read to the end ({type(e).__name__}: '
+                      f'{e.args[0] if e.args else e})'))
 
 
 def shard_samples(url, on_bad, num_classes, read_timeout):
@@ -296,7 +891,7 @@ def shard_samples(url, on_bad, num_classes, read_timeout):
         try:
           parsed = parse(sample, num_classes)
         except BadSample as e:
-          held = f'{where} {e}'
+          held = e.at(where)
           continue
         yield (where, *parsed)
     except Exception:  # Within a file of the next sample: the held one was whole.
@@ -304,8 +899,8 @@ def shard_samples(url, on_bad, num_classes, read_timeout):
         on_bad(held)
       raise
     if tar.cut_short:
-      on_bad(f'shard {url} cannot be read to the end (it ends inside a tar header, after '
-             f'{tar.size} bytes: the rest of it is lost)')
+      on_bad(BadShard(f'shard {url} cannot be read to the end (it ends inside a tar header, '
+                      f'after {tar.size} bytes: the rest of it is lost)'))
     elif held:
       on_bad(held)
 
@@ -313,9 +908,9 @@ def shard_samples(url, on_bad, num_classes, read_timeout):
 def open_shard(url, read_timeout=READ_TIMEOUT):
   """A shard to read from start to end: a local file as it is; a remote one read in 4 MB
   pieces (TarFiles reads a header, a file, its padding at a time: unbuffered, a request each,
-  about 12,000 for a shard of ImageNet),
-  over http(s) as one stream (a server may not answer range requests), a read that stalls
-  for read_timeout s or loses its connection tried again (see RetriedReads)."""
+  about 12,000 for a shard of ImageNet), over http(s) as one stream (a server may not answer
+  range requests), a read that stalls for read_timeout s or loses its connection tried again
+  (see RetriedReads)."""
   fs, path = fsspec.core.url_to_fs(url, **stall_limit(url, read_timeout))
   if isinstance(fs, fsspec.implementations.local.LocalFileSystem):
     return open(path, 'rb')  # Python's own: fsspec's wrapper adds a call to every read.
@@ -368,10 +963,10 @@ class RetriedReads(io.RawIOBase):
         break
       except Exception as e:
         self.close_stream()
-        if isinstance(e, FileNotFoundError) and server_failed(e.__cause__):
-          e = e.__cause__  # fsspec's http says so of a file it could not ask about.
-        elif not server_failed(e):
+        if failure(e) != 'server':
           raise
+        if isinstance(e, FileNotFoundError):
+          e = e.__cause__  # fsspec's http says so of a file it could not ask about.
         if attempt + 1 == READ_TRIES:
           raise ServerFailed(self.url.split('/')[2], self.describe(e)) from None
         time.sleep(2**attempt)
@@ -410,19 +1005,24 @@ class RetriedReads(io.RawIOBase):
     super().close()
 
 
-def server_failed(error):
-  """Whether a read failed for the server's sake, not the data's: no answer in time, a
-  connection refused or dropped, a 5xx, 408 or 429 answer (gcsfs's, after its own tries)."""
+def failure(error):
+  """Whose failure a read's exception is, decided here alone: 'server' (no answer in time, a
+  connection refused or dropped, a 5xx, 408 or 429 answer: RetriedReads tries the read again,
+  then raises ServerFailed), 'missing', 'data' (a truncated or corrupt tar or compression, a
+  disk error, a pipe: command that failed, a shard or credentials refused: 401, 403, ...), or
+  None: a bug of the code."""
+  if isinstance(error, FileNotFoundError) and failure(error.__cause__) == 'server':
+    return 'server'  # fsspec's http says so of a file it could not ask about.
   status = http_status(error)
   if status is not None:
-    return status >= 500 or status in (408, 429)
-  return isinstance(error, RETRIED)
-
-
-def refused(error):
-  """Whether a server or bucket refused the shard (401, 403, 410, ...) or the credentials
-  (google-auth's errors): a bad shard, not a bug."""
-  return http_status(error) is not None or type(error).__module__.startswith('google.auth')
+    return 'server' if status >= 500 or status in (408, 429) else 'data'
+  if isinstance(error, FileNotFoundError):
+    return 'missing'
+  if isinstance(error, (ServerFailed, *RETRIED)):
+    return 'server'
+  if isinstance(error, DATA_ERRORS) or type(error).__module__.startswith('google.auth'):
+    return 'data'
+  return None
 
 
 def http_status(error):
@@ -557,575 +1157,6 @@ def tar_samples(files, url):
     sample[extension] = data
   if sample is not None:
     yield sample
-
-
-class BadData:
-  """A missing or corrupt shard or sample: raised (strict), or counted in counts[slot] with a
-  warning line for the first few, once however often it is read; counts may be a tensor that
-  the loader workers of a replica share (one slot each), so that a million bad samples are
-  not a million lines."""
-  SHOWN = 5
-
-  def __init__(self, strict, counts=None, slot=0):
-    self.strict, self.slot, self.seen = strict, slot, set()
-    self.counts = torch.zeros(1, dtype=torch.int64) if counts is None else counts
-
-  @property
-  def count(self):
-    return int(self.counts[self.slot])
-
-  def __call__(self, message):
-    if self.strict:
-      raise utils.BadDataError(f'{message}: replace it, or drop --fail_on_bad_data to skip it')
-    if message in self.seen:  # Read again, to fill the epoch (see TrainShards.samples).
-      return
-    self.seen.add(message)
-    self.counts[self.slot] += 1
-    shown = int(self.counts.sum())
-    if shown <= self.SHOWN:
-      more = ' (more are counted, not shown: see the count at the end)' if shown == self.SHOWN else ''
-      print(f'warning: {message}; skipped{more}', file=sys.stderr, flush=True)
-
-
-class Views:
-  """What the model gets of an image (uint8, 3 x H x W): side x side uint8, the images of a
-  batch all one shape. In training a random view: an image of that size already (CIFAR's
-  32x32) is cropped from it padded by an eighth (4 px at 32), any other is cropped and
-  resized as torchvision's ImageNet recipe does (RandomResizedCrop); then flipped or not. In
-  evaluation an image of that size as it is, any other resized to 256/224 of it and its
-  centre cropped (as the image-folder scripts do)."""
-
-  def __init__(self, side):
-    self.side, self.pad = side, side // 8
-    self.resized_crop = v2.RandomResizedCrop(side)
-    self.centre = v2.Compose([v2.Resize(side * 256 // 224), v2.CenterCrop(side)])
-
-  def train(self, image, draws):
-    """The view that draws (3 numbers in [0, 1) of this sample alone) choose: the same with or
-    without a resume, in any loader worker."""
-    if image.shape[-2:] == (self.side, self.side):
-      top, left = (int(draw * (2 * self.pad + 1)) for draw in draws[:2])  # A few us, in numpy.
-      view = F.pad(image, [self.pad] * 4)[:, top:top + self.side, left:left + self.side]
-    else:
-      with utils.seeded(int(draws[0] * 2**53)):  # v2's transforms draw from torch's RNG.
-        view = self.resized_crop(image)
-    return view.flip(-1) if draws[2] < 0.5 else view
-
-  def eval(self, image):
-    return image if image.shape[-2:] == (self.side, self.side) else self.centre(image)
-
-
-def worker_share():
-  """(this loader worker, the number of them): (0, 1) without workers."""
-  info = torch.utils.data.get_worker_info()
-  return (info.id, info.num_workers) if info else (0, 1)
-
-
-class TrainShards(torch.utils.data.IterableDataset):
-  """This replica's shuffled training batches of an epoch, `batches` of them (cfg gives
-  batch_size, shuffle_buffer, img_dim, num_classes, seed, fail_on_bad_data). A worker whose
-  shards run out reads them again until the epoch has its batches: every replica runs the
-  same steps. The loader workers live through the run (spawned by a replica, each costs
-  seconds), so the epoch and first step, and each worker's counts of bad data, re-read
-  samples and samples its shards lack, are in shared memory."""
-
-  def __init__(self, urls, rank, world_size, batches, cfg):
-    self.urls, self.rank, self.world_size, self.batches, self.cfg = urls, rank, world_size, batches, cfg
-    self.views = Views(cfg.img_dim)
-    self.epoch_and_step = torch.zeros(2, dtype=torch.int64).share_memory_()
-    self.counts = torch.zeros(max(1, cfg.num_workers), 3, dtype=torch.int64).share_memory_()
-
-  def set_epoch(self, epoch, first_step=0):
-    self.epoch_and_step[:] = torch.tensor([epoch, first_step])
-    self.counts.zero_()
-
-  def read_counts(self):
-    """(bad shards or samples skipped, samples read twice, samples the shards lack of what
-    --trainsize says) in this epoch so far."""
-    return self.counts.sum(0).tolist()
-
-  def shards(self, epoch, worker, num_workers):
-    """The shards of one loader worker in an epoch. The list is shuffled the same way on every
-    replica (from seed and epoch), then dealt out: replica r takes every world_size-th shard
-    from r, and its worker w every num_workers-th of those. Every shard goes to one (replica,
-    worker) an epoch. Needs len(urls) >= world_size * num_workers."""
-    order = list(self.urls)
-    random.Random(f'{self.cfg.seed}/{epoch}').shuffle(order)
-    return order[self.rank::self.world_size][worker::num_workers]
-
-  def samples(self, shards, rng, on_bad, worker):
-    """The samples of the shards (see read_samples) with the pass, pass after pass, each pass
-    in a new shard order and shuffled in a buffer of its own: every sample once before any
-    twice. The buffer holds them undecoded (ImageNet's JPEGs: 110 KB each, a tenth of their
-    pixels); it sends one for every two it reads until full, starting once it holds a batch.
-    Shards that hold a shard's worth less than their share of --trainsize are counted: a
-    short last shard is the writer's way, fewer is a wrong --trainsize or lost data."""
-    for pass_number in itertools.count():
-      shuffle = wds.shuffle(self.cfg.shuffle_buffer, initial=self.cfg.batch_size, rng=rng)
-      read = 0
-      for sample in shuffle(read_samples(rng.sample(shards, len(shards)), on_bad,
-                                         self.cfg.num_classes, self.cfg.read_timeout)):
-        read += 1
-        yield *sample, pass_number
-      if read == 0:
-        raise utils.BadDataError(f'no readable sample in {plural(len(shards), "shard")} '
-                                 f'({shards[0]}, ...): see the warnings above')
-      lacking = self.cfg.trainsize * len(shards) / len(self.urls) - read
-      if pass_number == 0 and lacking > self.cfg.trainsize / len(self.urls):
-        self.counts[worker, 2] = round(lacking)
-
-  def __iter__(self):
-    worker, num_workers = worker_share()
-    epoch, first_step = self.epoch_and_step.tolist()
-    seed = self.cfg.seed
-    bad = BadData(self.cfg.fail_on_bad_data, self.counts[:, 0], worker)
-    # The DataLoader takes batch i from worker i % num_workers: this worker makes its share
-    # of the epoch and stops, instead of reading on for batches nobody takes. A worker whose
-    # first turn falls below first_step (a resumed run) sends None there (the loader drops
-    # it), so that the batches after first_step come in their usual order.
-    share = len(range(worker, self.batches, num_workers))
-    skip = len(range(worker, first_step, num_workers))
-    if worker < first_step % num_workers:
-      yield None
-    rng = random.Random(f'{seed}/{epoch}/{self.rank}/{worker}')  # Shard order and shuffle.
-    batches = wds.batched(self.cfg.batch_size, collation_fn=None, partial=False)(
-        self.samples(self.shards(epoch, worker, num_workers), rng, bad, worker))
-    for number, batch in enumerate(itertools.islice(batches, share), 1):
-      self.counts[worker, 1] += sum(sample[-1] > 0 for sample in batch)  # Read a second time.
-      if number <= skip:
-        continue  # Trained before the resume: read, for the shuffle, but not decoded or sent.
-      # Views drawn from a generator of this batch alone: the same with or without a resume.
-      draws = np.random.default_rng([seed, epoch, self.rank, worker, number]).random((len(batch), 3))
-      yield self.decoded(batch, draws, bad)
-
-  def decoded(self, batch, draws, on_bad):
-    """(images, labels) of a batch of samples, each image the training view of its draws. An
-    image that cannot be decoded goes to on_bad, and the batch's next readable sample takes
-    its place: a batch's samples, fixed before any decoding, are the same in a resumed run."""
-    views = []
-    for (where, image_key, data, label, _), sample_draws in zip(batch, draws):
-      try:
-        views.append((self.views.train(decode(image_key, data), sample_draws), label))
-      except BadSample as e:
-        on_bad(f'{where} {e}')
-        views.append(None)
-    readable = [view for view in views if view is not None]
-    if not readable:
-      raise utils.BadDataError(f'no image of a batch of {len(batch)} can be read (the first: '
-                               f'{batch[0][0]}): check the shards')
-    return collate([view or next((later for later in views[i + 1:] if later), readable[0])
-                    for i, view in enumerate(views)])
-
-
-class TestShards(torch.utils.data.IterableDataset):
-  """This replica's evaluation batches: the test shards dealt out to the replicas (replica r
-  takes every world_size-th from r) and on to their loader workers, each sample once, in
-  batches of test_set_batch_size; a worker's last batch is filled up with blank images of
-  label -1, which are not counted. A replica may run fewer batches than another: evaluation
-  waits for no other replica until its sums."""
-
-  def __init__(self, urls, rank, world_size, cfg):
-    self.urls, self.cfg, self.views = urls[rank::world_size], cfg, Views(cfg.img_dim)
-    self.counts = torch.zeros(max(1, cfg.num_workers), dtype=torch.int64).share_memory_()
-
-  def __iter__(self):
-    worker, num_workers = worker_share()
-    size = self.cfg.test_set_batch_size
-    bad = BadData(self.cfg.fail_on_bad_data, self.counts, worker)
-    batch = []
-    for where, image_key, data, label in read_samples(self.urls[worker::num_workers], bad,
-                                                      self.cfg.num_classes, self.cfg.read_timeout):
-      try:
-        batch.append((self.views.eval(decode(image_key, data)), label))
-      except BadSample as e:
-        bad(f'{where} {e}')
-      if len(batch) == size:
-        yield collate(batch)
-        batch = []
-    if batch:
-      yield collate(batch + [(torch.zeros_like(batch[0][0]), -1)] * (size - len(batch)))
-
-
-def collate(samples):
-  """(images, labels) of a batch from its (image, label) samples, by torch's default_collate:
-  in a loader worker it stacks the images into shared memory, and the batch goes to the
-  replica without a copy (torch.stack's would be copied there: 19 MB a batch of ImageNet)."""
-  images, labels = torch.utils.data.default_collate(samples)
-  return images, labels
-
-
-def load_data(cfg, rank, world_size):
-  """This replica's train loader (counted, capped at the epoch's steps) and test loader.
-  Every replica gets the same number of train batches."""
-  train_urls = list(braceexpand.braceexpand(cfg.wds_traindir))
-  test_urls = list(braceexpand.braceexpand(cfg.wds_testdir))
-  feeders = world_size * max(1, cfg.num_workers)
-  if len(train_urls) < feeders:
-    raise utils.UsageError(
-        f'{plural(len(train_urls), "training shard")} cannot feed {plural(world_size, "replica")} '
-        f'x {plural(max(1, cfg.num_workers), "loader worker")} (each needs a shard of its own): '
-        'write more, '
-        'smaller shards (make_cifar_shards.py --samples_per_shard) or lower --num_workers')
-  steps = cfg.trainsize // (cfg.batch_size * world_size)
-  if steps == 0:
-    raise utils.UsageError(f'--trainsize {cfg.trainsize} makes no batch of {cfg.batch_size} for '
-                           f'each of {world_size} replicas: lower --batch_size')
-  train_set = TrainShards(train_urls, rank, world_size, min(steps, cfg.num_steps or steps), cfg)
-  test_set = TestShards(test_urls, rank, world_size, cfg)
-
-  def loader(dataset, workers):
-    options = dict(num_workers=workers, worker_init_fn=utils.ignore_stop_signals)
-    if workers:  # torch 2.9 raises on these without workers.
-      options.update(persistent_workers=True, prefetch_factor=cfg.prefetch_factor)
-    return torch.utils.data.DataLoader(dataset, batch_size=None, **options)
-
-  # Test shards are fewer: a worker for each of this replica's, up to --num_workers.
-  return (utils.EpochLoader(loader(train_set, cfg.num_workers), train_set.batches,
-                            order=train_set),
-          utils.EpochLoader(loader(test_set, min(cfg.num_workers, len(test_set.urls))),
-                            cfg.num_steps or sys.maxsize))
-
-
-def shard_classes(pattern):
-  """The class names of the classes file that make_cifar_shards.py writes beside the shards
-  (PREFIX-classes.txt for PREFIX-train-{...}.tar, a name a line), or None if there is none."""
-  name, found = re.subn(r'-train-[^/]*$', '-classes.txt', pattern)
-  if not found or name.startswith('pipe:'):
-    return None
-  try:
-    with fsspec.open(name, 'r') as f:
-      return [line.strip() for line in f if line.strip()]
-  except FileNotFoundError:
-    return None
-  except OSError as e:
-    raise utils.UsageError(f'cannot read {name} ({e}): check it, or give --num_classes') from None
-
-
-# ------------------------------------------------------------------------ your model
-def build_model(cfg, num_classes):
-  """The model to train: a torch.nn.Module from a float batch (N, 3, img_dim, img_dim) to
-  logits (N, num_classes); the shards' uint8 images are normalised in the step, on the
-  device (see normalized). Here: the torchvision ResNet --model names, at CIFAR's 32 px and
-  below with the CIFAR stem. Put yours here; a --model name of your own is then accepted.
-  Images of another format: the place is parse and decode. Called in main, to check, and in
-  every replica."""
-  if not cfg.model.startswith(('resnet', 'resnext', 'wide_resnet')):
-    raise utils.UsageError(f'--model {cfg.model} is not a torchvision ResNet (resnet18, resnet50, '
-                           'resnext50_32x4d, ...): name one, or build yours in build_model')
-  model = utils.create_model(cfg.model, num_classes)
-  return cifar_stem(model) if cfg.img_dim <= CIFAR_SIDE else model
-
-
-def normalized(images, img_dim):
-  """A batch of uint8 images as the model takes them, in the step's graph: by CIFAR-10's mean
-  and std at its 32 px and below, ImageNet's above."""
-  if img_dim <= CIFAR_SIDE:
-    return utils.normalize(images, CIFAR_MEAN, CIFAR_STD)
-  return utils.normalize(images, utils.IMAGENET_MEAN, utils.IMAGENET_STD)
-
-
-def cifar_stem(model):
-  """A torchvision ResNet with the usual CIFAR stem: a 3x3 stride-1 first convolution and
-  no max-pool. The ImageNet stem (7x7 stride 2, then a max-pool) would shrink 32x32
-  images to 8x8 before the first block and cost accuracy."""
-  model.conv1 = torch.nn.Conv2d(3, model.conv1.out_channels, 3, 1, 1, bias=False)
-  torch.nn.init.kaiming_normal_(model.conv1.weight, mode='fan_out', nonlinearity='relu')
-  model.maxpool = torch.nn.Identity()
-  return model
-
-
-# ------------------------------------------------------------------------------ loop
-def start_run(cfg, steps_per_epoch, stop_signal):
-  """Model, optimizer, LR schedule, log, stop vote and results of this replica, restored from
-  the newest checkpoint if there is one; run.epoch and run.step are where training goes on."""
-  device = torch_xla.device()
-  model = build_model(cfg, cfg.num_classes).to(device)
-  xm.broadcast_master_param(model)  # Every replica starts from the master's weights.
-  optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum,
-                              weight_decay=cfg.weight_decay)
-  scheduler = None
-  if cfg.lr_scheduler_type == 'WarmupAndExponentialDecayScheduler':
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: utils.warmup_step_decay(
-        step, steps_per_epoch, cfg.lr_warmup_epochs, cfg.lr_scheduler_divide_every_n_epochs,
-        cfg.lr_scheduler_divisor))
-  writer = SummaryWriter(cfg.logdir) if cfg.logdir and xm.is_master_ordinal() else None
-  results = utils.new_results(cfg.model, amp=cfg.amp, skipped_bad_data=0, repeated_samples=0)
-  run = SimpleNamespace(cfg=cfg, model=model, optimizer=optimizer, scheduler=scheduler,
-                        stop=utils.StopVote(device, stop_signal, optimizer, cfg.num_classes),
-                        stop_signal=stop_signal, steps_per_epoch=steps_per_epoch,
-                        results=results, num_classes=cfg.num_classes, epoch=1, step=0,
-                        global_step=0)
-  state = utils.resume(cfg.resume, cfg.ckpt_dir, (model, optimizer, scheduler), vars(cfg),
-                       run.results['world_size'], BATCH_FLAGS)
-  if state is not None:
-    vars(run).update({key: state[key] for key in ('results', 'epoch', 'step', 'global_step')})
-  run.log = utils.StepLog(device, writer, run.results['history'])  # After the restore.
-  # The profiler serves TensorBoard's captures while this run is held (until train returns).
-  run.profiler = xp.start_server(cfg.profiler_port + xr.local_ordinal()) if cfg.profile else None
-  return run
-
-
-def train_step(model, optimizer, scheduler, images, labels, cfg):
-  optimizer.zero_grad()
-  # --amp: bfloat16 has float32's range, so no gradient scaler (see docs/tpu.md).
-  with torch.autocast('xla', dtype=torch.bfloat16, enabled=cfg.amp):
-    # The images come as uint8 and are normalised here, on the device: a quarter of float32's
-    # bytes cross from the host.
-    loss = F.cross_entropy(model(normalized(images, cfg.img_dim)), labels)
-  loss.backward()
-  xm.optimizer_step(optimizer)  # All-reduces the gradients over every replica, then steps.
-  if scheduler is not None:
-    scheduler.step()
-  return loss
-
-
-def train_one_epoch(run, loader, epoch, first_step):
-  """Trains the epoch from step first_step on; returns (steps run, whether to stop now)."""
-  cfg = run.cfg
-  tracker = xm.RateTracker()
-  run.model.train()
-  steps = 0
-  for step, (images, labels) in enumerate(loader, first_step):
-    with xp.StepTrace('train_step', step_num=step):  # Named steps in a profile; ends in a sync.
-      loss = train_step(run.model, run.optimizer, run.scheduler, images, labels, cfg)
-      tracker.add(cfg.batch_size)
-      if step % cfg.log_steps == 0:
-        xm.add_step_closure(run.log.add, args=(epoch, step, run.global_step, loss, tracker,
-                                               run.optimizer.param_groups[0]['lr']))
-      # The same answer on every replica (and the end of the run if loss or weights run away).
-      stopping = run.stop.agreed_after_step(loss, f'epoch {epoch} step {step}')
-    steps += 1
-    run.global_step += 1
-    if stopping:
-      return steps, True
-    # The epoch's last step is saved at its end, with its evaluation.
-    if (cfg.ckpt_dir and cfg.ckpt_every_steps and run.global_step % cfg.ckpt_every_steps == 0
-        and step + 1 < run.steps_per_epoch):
-      save_checkpoint(run, epoch, step + 1)
-  return steps, False
-
-
-def evaluate(model, loader, cfg):
-  """(accuracy %, correct, total) over all replicas; padding (label -1) is not counted."""
-  model.eval()
-  # Counted on the device and read once at the end: an .item() per step would sync.
-  counts = torch.zeros(2, dtype=torch.int64, device=torch_xla.device())
-  with torch.no_grad(), torch.autocast('xla', dtype=torch.bfloat16, enabled=cfg.amp):
-    for images, labels in loader:
-      logits = model(normalized(images, cfg.img_dim))
-      hits = (logits.argmax(dim=1) == labels).sum()
-      counts += torch.stack([hits, (labels >= 0).sum()])
-  # Sums, not a mean of replica accuracies: replicas may hold different numbers of images.
-  correct, total = xm.all_reduce(xm.REDUCE_SUM, counts).tolist()
-  return 100.0 * correct / max(total, 1), correct, total
-
-
-def save_checkpoint(run, epoch, step, best=False):
-  """Saves the training state after `step` steps of `epoch` (every replica); returns its path."""
-  torch_xla.sync()  # Runs the step's log closure, ...
-  run.log.flush()  # ... and waits for it: the history saved is whole.
-  run.stop.check_losses()  # Nothing that ran away is saved.
-  state = dict(model=run.model.state_dict(), optimizer=run.optimizer.state_dict(),
-               lr_scheduler=run.scheduler.state_dict() if run.scheduler else None, epoch=epoch,
-               step=step, global_step=run.global_step, flags=vars(run.cfg),
-               rng=dict(torch=torch.get_rng_state(), xla=xm.get_rng_state()), results=run.results)
-  return utils.write_checkpoint(state, run.cfg.ckpt_dir, run.cfg.keep_checkpoints, best)
-
-
-def stop_run(run, epoch, step, saved=None):
-  """The end of a run stopped by SIGTERM or Ctrl-C at a step boundary: saves (unless `saved`
-  holds this very state), says so; returns the exit code (75 for SIGTERM, 130 for Ctrl-C)."""
-  if saved is None and run.cfg.ckpt_dir:
-    xm.master_print(f'Stopping at epoch {epoch} step {step}: saving a checkpoint ...', flush=True)
-    saved = save_checkpoint(run, epoch, step)
-  name, code = utils.record_stop(run.results, run.stop_signal(), run.global_step, saved)
-  xm.master_print(f'Stopped by {name} at epoch {epoch} step {step}: ' +
-                  (f'saved {saved}; run the same command to resume' if saved else
-                   'nothing saved (no --ckpt_dir)') + f' (exit code {code})', flush=True)
-  return code
-
-
-def end_epoch(run, epoch, accuracy, counts):
-  """Records and saves an evaluated epoch; returns (whether to stop now, its checkpoint or None)."""
-  results = run.results
-  best = accuracy > results['max_accuracy']
-  results['epoch_accuracies'].append(accuracy)
-  results.update(epochs=epoch, final_accuracy=accuracy, eval_correct=counts[0],
-                 eval_samples=counts[1], max_accuracy=max(results['max_accuracy'], accuracy))
-  results['compilations_after_epoch'].append(utils.compile_count())
-  test_utils.write_to_summary(run.log.writer, epoch, {'Accuracy/test': accuracy})
-  utils.check_learning(results['history'], epoch, run.num_classes, run.cfg.lr,
-                       recipe(run.cfg.img_dim, run.cfg.model)[1]['lr'])
-  if run.cfg.metrics_debug:
-    xm.master_print(met.metrics_report(), flush=True)
-  saved = save_checkpoint(run, epoch + 1, 0, best=best) if run.cfg.ckpt_dir else None
-  # After the last epoch a stop has nothing left to stop: the run ends as done.
-  return epoch < run.cfg.num_epochs and run.stop.agreed_at_epoch_end(), saved
-
-
-def train(cfg, stop_signal):
-  """One replica's run (stop_signal(): the signal it got, or 0); returns (its results, the exit
-  code) where it finishes, stops or diverges. A replica that fails raises: utils.replica, in
-  _mp_fn, says why and ends the run (exit code 2, or 1 and a traceback for a bug)."""
-  torch.manual_seed(cfg.seed)
-  rank, world_size, device = xr.global_ordinal(), xr.world_size(), torch_xla.device()
-  train_loader, test_loader = load_data(cfg, rank, world_size)
-  run = start_run(cfg, train_loader.num_batches, stop_signal)
-  results = run.results
-  prefetch = {name: getattr(cfg, name) for name in (
-      'loader_prefetch_size', 'device_prefetch_size', 'host_to_device_transfer_threads')}
-  train_device_loader = pl.MpDeviceLoader(train_loader, device, **prefetch)
-  test_device_loader = pl.MpDeviceLoader(test_loader, device, **prefetch)
-  if run.epoch <= cfg.num_epochs:  # Else: 'Run already finished'.
-    xm.master_print(f'Replicas started: {world_size}; compiling the first step ...', flush=True)
-  try:
-    for epoch in range(run.epoch, cfg.num_epochs + 1):
-      first_step = run.step if epoch == run.epoch else 0
-      train_loader.set_epoch(epoch, first_step)  # A resumed run reads, unused, what it trained.
-      xm.master_print(f'Epoch {epoch} train begin {test_utils.now()}', flush=True)
-      start = time.time()
-      steps, stopped = train_one_epoch(run, train_device_loader, epoch, first_step)
-      train_loader.check()
-      xm.wait_device_ops()  # Time the device work, not just the tracing.
-      run.log.flush()  # Its lines before the epoch's.
-      seconds = time.time() - start
-      results['train_seconds'] += seconds
-      count_data(results, train_loader.order.read_counts(), epoch, rank, cfg.trainsize)
-      if stopped:  # By SIGTERM or Ctrl-C: saved here (--ckpt_dir); exit code 75 or 130.
-        return results, stop_run(run, epoch, first_step + steps)
-      print(f'Epoch {epoch} Replica Train Samples={steps * cfg.batch_size} Device={device}/{rank}',
-            flush=True)
-      rate = xm.mesh_reduce('epoch_rate', steps * cfg.batch_size / seconds, sum)
-      results['epoch_rates'] += [rate] if steps else []
-      xm.master_print(f'Epoch {epoch} train end {test_utils.now()}, Reduced GlobalRate={rate:.2f}',
-                      flush=True)
-      accuracy, *counts = evaluate(run.model, test_device_loader, cfg)
-      test_loader.check()
-      count_test_data(cfg, int(test_loader.loader.dataset.counts.sum()), counts[1], epoch, rank)
-      xm.master_print(f'Epoch {epoch} test end {test_utils.now()}, ' + (
-          f'Accuracy={accuracy:.2f}' if counts[1] else NO_TEST_SAMPLE), flush=True)
-      stop, saved = end_epoch(run, epoch, accuracy, counts)
-      if stop:  # The same, asked for as the epoch ended: its checkpoint holds this state.
-        return results, stop_run(run, epoch + 1, 0, saved)
-  except utils.Diverged as error:  # From run.stop: the loss or weights ran away (see StopVote).
-    utils.say_diverged(error, results, run.log, vars(cfg))  # Nothing is saved after it.
-    utils.add_totals(results, run.global_step, cfg.batch_size * world_size, run.log.writer)
-    return results, utils.EXIT_DIVERGED
-  utils.add_totals(results, run.global_step, cfg.batch_size * world_size, run.log.writer)
-  return results, utils.say_finished(results, cfg.target_accuracy)  # Done: 0, or 21 below target
-
-
-def count_data(results, counts, epoch, rank, trainsize):
-  """Adds an epoch's bad data skipped and samples read twice to the results; says so, and
-  shards that lack samples of what --trainsize says."""
-  bad, repeated, lacking = counts
-  results['skipped_bad_data'] += bad
-  results['repeated_samples'] += repeated
-  if lacking:
-    print(f'warning: epoch {epoch} replica {rank}: its shards lack about {lacking} samples of its '
-          f'share of --trainsize {trainsize} (bad shards, or fewer samples than it says); '
-          f'{repeated} were read a second time to run the same steps as every replica',
-          file=sys.stderr, flush=True)
-  if bad:
-    print(f'Epoch {epoch} Replica {rank}: skipped {bad} bad shards or samples', flush=True)
-
-
-def count_test_data(cfg, bad, total, epoch, rank):
-  """Says the bad test data skipped in an epoch, and a --testsize that is not what was read."""
-  if bad:  # Not in the results: they count training data.
-    print(f'Epoch {epoch} Replica {rank}: skipped {bad} bad shards or samples of the test shards',
-          flush=True)
-  if cfg.testsize and total != cfg.testsize and not cfg.num_steps and epoch == 1:
-    xm.master_print(f'warning: the test shards hold {total} readable samples, --testsize is '
-                    f'{cfg.testsize}', fd=sys.stderr)
-
-
-def _mp_fn(index, flag_values):
-  """One replica. flag_values is a plain dict: absl's FLAGS do not cross the spawn."""
-  del index  # The global ordinal comes from the runtime.
-  cfg = SimpleNamespace(**flag_values)
-  with utils.replica():  # A replica that fails ends at once, and so the whole run.
-    utils.use_compile_cache(cfg.compile_cache_dir, xr.global_ordinal())  # Before any computation.
-    results, code = train(cfg, utils.stop_signal)
-    if xm.is_master_ordinal():
-      utils.write_results(cfg.results_json, results)
-  sys.exit(code)
-
-
-def main(argv):
-  del argv
-  cfg = SimpleNamespace(**FLAGS.flag_values_dict())
-  recipe_name, settings = recipe(cfg.img_dim, cfg.model)
-  for name, value in settings.items():
-    if getattr(cfg, name) is None:
-      setattr(cfg, name, value)
-  utils.set_precision(cfg.amp, cfg.bf16)  # Before the runtime starts.
-  try:
-    if supervisor:  # Checked here, once, before any replica starts: bad input is one line, not N.
-      cfg.num_workers = supervisor.usable_workers(cfg.num_workers, FLAGS['num_workers'].present)
-      found = {flag: supervisor.check_shards(flag, getattr(cfg, flag), cfg.fail_on_bad_data)
-               for flag in ('wds_traindir', 'wds_testdir')}
-    classes = shard_classes(cfg.wds_traindir)
-    if classes and cfg.num_classes and cfg.num_classes > len(classes):  # Fewer: labels past it.
-      print(f'warning: --num_classes {cfg.num_classes} is more than the {len(classes)} classes of '
-            'the classes file beside the training shards: the model gets outputs that no label '
-            'asks for', file=sys.stderr, flush=True)
-    cfg.num_classes = cfg.num_classes or (len(classes) if classes else CIFAR_CLASSES)
-    if supervisor:
-      for flag, urls in found.items():
-        if urls:
-          supervisor.check_format(
-              flag, urls[0], lambda sample: decode(*parse(sample, cfg.num_classes)[:2]),
-              ForeignSample, lambda url: open_shard(url, cfg.read_timeout))
-      print(describe_data(cfg, classes))
-      print(supervisor.describe_model(cfg.model, build_model(cfg, cfg.num_classes), cfg.num_classes))
-      given = {name for name in FLAGS if FLAGS[name].present}
-      print(supervisor.describe_recipe(cfg, supervisor.recipe_source(given, recipe_name, settings)),
-            flush=True)
-      supervisor.check_outputs(cfg.ckpt_dir, cfg.logdir, cfg.results_json, cfg.compile_cache_dir)
-  except utils.UsageError as e:
-    utils.die(e)
-  # Replica processes start here, but with --num_cores 1 or under torchrun (its worker is one).
-  launcher = cfg.num_cores != 1 and not torch.distributed.is_torchelastic_launched()
-  print('Starting ' + ('one replica per local XLA device' if launcher else 'one replica (--num_cores 1)'
-                       if cfg.num_cores == 1 else 'the replica of this torchrun worker') + ' ...',
-        flush=True)
-  with (supervisor.watched(launcher, saving=bool(cfg.ckpt_dir)) if supervisor else
-        utils.stop_on_signals(launcher)):
-    torch_xla.launch(_mp_fn, args=(vars(cfg),), debug_single_process=cfg.num_cores == 1)
-
-
-def recipe(img_dim, model):
-  """(name, settings) of the recipe that the flags not given come from (see CIFAR_RECIPE)."""
-  if img_dim <= CIFAR_SIDE:
-    return "CIFAR-10's recipe", CIFAR_RECIPE
-  if model in MODEL_RECIPES:
-    return f"{model}'s tuned ImageNet recipe", {**IMAGENET_RECIPE, **MODEL_RECIPES[model]}
-  return 'the ImageNet recipe', IMAGENET_RECIPE
-
-
-def describe_data(cfg, classes):
-  """The Data line: what the run trains on."""
-  train, test = (len(list(braceexpand.braceexpand(pattern)))
-                 for pattern in (cfg.wds_traindir, cfg.wds_testdir))
-  test_samples = f'{cfg.testsize:,} evaluation samples' if cfg.testsize else 'the evaluation samples'
-  source = ('--num_classes' if FLAGS['num_classes'].present else
-            'the classes file beside the training shards' if classes else
-            "CIFAR-10's; give --num_classes for other shards")
-  return (f'Data: {cfg.trainsize:,} training samples in {plural(train, "shard")} and '
-          f'{test_samples} in {test}, at 3x{cfg.img_dim}x{cfg.img_dim} uint8, {cfg.num_classes} '
-          f'classes ({source})')
-
-
-def plural(count, noun):
-  return f'{count} {noun}' + ('' if count == 1 else 's')
-
-
-def run(argv):
-  """This script from Python or a notebook cell: run(['--flag', value, ...]) returns the
-  results (see --results_json) or raises what the exit code means (see command.py)."""
-  import command  # Only run() and %run need command.py.
-  return command.run(__file__, argv)
 
 
 if __name__ == '__main__':

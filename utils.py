@@ -45,10 +45,8 @@ EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a Ctrl-C.
 # The user's SIGINT in the lines about it: a notebook's run() says "Interrupt", after its button.
 INTERRUPT = os.environ.get('INTERRUPT_NAME', 'Ctrl-C')
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)  # of pixels 0 to 1
-# Flags that decide an epoch's batches: a resume with another value warns (see resume).
+# Flags that decide an epoch's batches: a resume with another value warns (checkpoint_to_resume).
 BATCH_FLAGS = ('datadir', 'fake_data', 'batch_size', 'seed', 'num_steps', 'img_dim', 'drop_last')
-CHECKPOINT_KEYS = ('model', 'optimizer', 'lr_scheduler', 'epoch', 'step', 'global_step', 'rng',
-                   'flags', 'results')
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
@@ -394,10 +392,12 @@ def new_results(model, **extra):
                    bf16=os.environ.get('XLA_USE_BF16') == '1'), **extra)  # extra overrides.
 
 
-def add_totals(results, global_step, samples_per_step, writer):
-  """Adds the run's totals to its results and closes the TensorBoard writer."""
-  if writer is not None:
-    writer.close()
+def add_totals(results, global_step, samples_per_step, log):
+  """Adds the run's totals to its results once its log lines are out (a StepLog), and closes
+  its TensorBoard writer."""
+  log.flush()
+  if log.writer is not None:
+    log.writer.close()
   results['train_steps'] = global_step
   results['train_samples'] = global_step * samples_per_step
   results['global_rate'] = results['train_samples'] / max(results['train_seconds'], 1e-9)
@@ -516,7 +516,9 @@ def load_checkpoint(path):
     reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     raise UsageError(f'checkpoint {path} cannot be read: it is not a whole, readable '
                      f'checkpoint file ({reason})') from None
-  missing = [key for key in CHECKPOINT_KEYS if not isinstance(state, dict) or key not in state]
+  # What this module reads of it; the rest is the script's (its save_checkpoint, restore).
+  missing = [key for key in ('model', 'flags', 'results', 'epoch', 'step')
+             if not isinstance(state, dict) or key not in state]
   if missing:
     raise UsageError(f'{path} is not a checkpoint of these scripts (no {", ".join(missing)})')
   return state
@@ -558,14 +560,14 @@ def check_same_model(model, state, path):
                      'that run, or another --ckpt_dir')
 
 
-def resume(resume_path, ckpt_dir, training, flag_values, world_size, batch_flags=BATCH_FLAGS):
-  """Restores training = (model, optimizer, scheduler or None) and the RNGs from the checkpoint
-  find_checkpoint chose and returns it (or None), with the --lr, --momentum and --weight_decay
-  given now; warns of another world_size or other batch_flags (see docs/checkpoints.md)."""
+def checkpoint_to_resume(resume_path, ckpt_dir, model, flag_values, world_size,
+                         batch_flags=BATCH_FLAGS):
+  """(path, state) of the checkpoint find_checkpoint chose, or (None, None): a UsageError if it
+  holds another model; warns of other batch_flags or another world_size (docs/checkpoints.md).
+  The script's restore_checkpoint puts it back, then say_resumed says so."""
   path, state = find_checkpoint(resume_path, ckpt_dir)
   if state is None:
-    return None
-  model, optimizer, scheduler = training
+    return None, None
   check_same_model(model, state, path)
   where = f'epoch {state["epoch"]} goes on from step {state["step"]}'
   for name in batch_flags:
@@ -573,13 +575,6 @@ def resume(resume_path, ckpt_dir, training, flag_values, world_size, batch_flags
       xm.master_print(f'warning: --{name} is {flag_values.get(name)} now, {state["flags"][name]} '
                       f'in the run of {path}: {where} with other batches than that run would have '
                       'trained (give its value to train as it would)', fd=sys.stderr, flush=True)
-  model.load_state_dict(state['model'])
-  optimizer.load_state_dict(state['optimizer'])
-  if scheduler is not None and state['lr_scheduler'] is not None:
-    scheduler.load_state_dict(state['lr_scheduler'])
-  changed = new_recipe(optimizer, scheduler, state['flags'], flag_values)
-  torch.set_rng_state(state['rng']['torch'])
-  xm.set_rng_state(state['rng']['xla'])
   saved_world = state['results'].get('world_size', world_size)
   if saved_world != world_size:
     batch = flag_values['batch_size']
@@ -587,14 +582,19 @@ def resume(resume_path, ckpt_dir, training, flag_values, world_size, batch_flags
                     f'the global batch is {batch * world_size} instead of {batch * saved_world} '
                     f'(--batch_size {batch} per device), so the run will differ from one never '
                     'interrupted (see docs/checkpoints.md)', fd=sys.stderr, flush=True)
+  return path, state
+
+
+def say_resumed(path, state, flag_values, changed):
+  """The line of a run restored from the checkpoint at path: where it goes on (changed: what
+  new_recipe changed), or that the checkpoint's run had finished every epoch."""
   epoch, num_epochs = state['epoch'], flag_values['num_epochs']
-  where = ckpt_dir or os.path.dirname(path)
+  where = flag_values.get('ckpt_dir') or os.path.dirname(path)
   xm.master_print(f'Run already finished: {path} is the end of epoch {epoch - 1} (--num_epochs '
                   f'{num_epochs}). To train on, give more --num_epochs; to start over, remove '
                   f'{where} or give another --ckpt_dir' if epoch > num_epochs else
                   f'Resumed from {path} at epoch {epoch} step {state["step"]}' + (
                       f', with {changed}' if changed else ''), flush=True)
-  return state
 
 
 def new_recipe(optimizer, scheduler, saved, given):
@@ -812,11 +812,10 @@ class StopVote:
     return pending if xr.world_size() == 1 else xm.mesh_reduce('stop_request', pending, any)
 
 
-def say_diverged(error, results, log, flag_values):
-  """Marks results diverged (error: StopVote's) and, after the step lines logged so far, says
-  the way out: a lower --lr, from the last checkpoint (docs/checkpoints.md#a-run-that-diverges)."""
-  results['diverged'] = str(error)
-  log.flush()
+def say_diverged(error, flag_values):
+  """Says why the run diverged (StopVote's error) and the way out, after every replica's step
+  lines (add_totals printed them): a lower --lr, from the last checkpoint
+  (docs/checkpoints.md#a-run-that-diverges). Returns the exit code, 22."""
   if xr.world_size() > 1:
     xm.rendezvous('diverged')  # Every replica's step lines before the error.
   resume_from = flag_values.get('resume') or (flag_values.get('ckpt_dir') and max(
@@ -827,6 +826,7 @@ def say_diverged(error, results, log, flag_values):
       'holds a step that ran away), or give another --ckpt_dir to start over' if resume_from
       else f'{lower}: nothing was saved, so it starts over' if flag_values.get('ckpt_dir') else
       lower) + f' (exit code {EXIT_DIVERGED})', fd=sys.stderr, flush=True)
+  return EXIT_DIVERGED
 
 
 @contextlib.contextmanager

@@ -686,8 +686,8 @@ def test_reads_shards_over_http(http_shards, shards):
   assert not any(map(supervisor.shard_missing, urls))
   # The start check reads a shard's first samples as training reads it: one GET.
   before = len(QuietHandler.requests)
-  supervisor.check_format('wds_testdir', urls[0], lambda sample: None, ValueError,
-                          wds_cifar.open_shard)
+  supervisor.check_format('wds_testdir', urls[0],
+                          lambda urls, on_bad: wds_cifar.read_samples(urls, on_bad, 10))
   assert QuietHandler.requests[before:] == ['GET /cifar-test-000000.tar']
   assert supervisor.shard_missing(http_shards + '/nope.tar')  # 404: missing, not unreachable.
   local = decoded([str(p) for p in sorted((shards / 'shards').glob('cifar-test-*.tar'))])
