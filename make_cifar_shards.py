@@ -241,6 +241,20 @@ def brace_pattern(prefix, split, count):
   return f'{prefix}-{split}-{{{0:06d}..{count - 1:06d}}}.tar'
 
 
+class CifarUnpickler(pickle.Unpickler):
+  """Reads what a CIFAR-10 batch holds (dicts, lists, strings, bytes, numbers, numpy arrays) and
+  refuses any other object before it is made: unpickling one can run any code."""
+  ARRAYS = {(module, name) for package in ('numpy.core', 'numpy._core') for module, name in (
+      (f'{package}.multiarray', '_reconstruct'), (f'{package}.multiarray', 'scalar'),
+      (f'{package}.numeric', '_frombuffer'))} | {('numpy', 'ndarray'), ('numpy', 'dtype'),
+                                                  ('_codecs', 'encode')}  # Python 3's bytes
+
+  def find_class(self, module, name):
+    if (module, name) not in self.ARRAYS:
+      raise pickle.UnpicklingError(f'it holds a {module}.{name}, which no CIFAR-10 batch holds')
+    return super().find_class(module, name)
+
+
 def read_cifar_python(folder):
   """(train_images, train_labels, test_images, test_labels, class_names) from the pickles."""
   def unpickle(name):
@@ -250,7 +264,10 @@ def read_cifar_python(folder):
                              'folder (data_batch_1..5, test_batch, batches.meta)')
     try:
       with open(path, 'rb') as f:
-        return pickle.load(f, encoding='bytes')
+        return CifarUnpickler(f, encoding='bytes').load()
+    except pickle.UnpicklingError as e:
+      raise utils.UsageError(f'{path} is not a CIFAR-10 batch ({e}): refused unread, since loading '
+                             'it could run code; download the python release again') from None
     except Exception as e:
       raise utils.UsageError(f'cannot read {path} ({e}): download the python release again')
 
@@ -310,7 +327,24 @@ def kept_file(path, label):
     image_key = None
   if image_key is None:
     return (*encode(utils.load_image(path).permute(1, 2, 0).numpy(), 'png'), label)
+  check_pixels(path, data)
   return image_key, data, label
+
+
+def check_pixels(path, data):
+  """A BadDataError for an image file that the reader would refuse for its pixel count (see
+  utils.check_pixels), from its header: it would be skipped every epoch. One whose header
+  cannot be read is stored: the reader skips it with a warning, as any corrupt sample."""
+  try:
+    if data.startswith(b'\xff\xd8\xff') and (size := utils.jpeg_size(data)):
+      utils.check_pixels(*size)
+    else:
+      with PIL.Image.open(io.BytesIO(data)) as image:
+        utils.check_pixels(*image.size)
+  except OSError:
+    pass
+  except (ValueError, PIL.Image.DecompressionBombError) as e:
+    raise utils.BadDataError(f'image {path}: {e}; resize it or remove it') from None
 
 
 def cifar_file(image_format, path, label):

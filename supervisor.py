@@ -359,8 +359,8 @@ _ending = threading.RLock()  # Held by the thread that ends the run (a handler m
 
 @contextlib.contextmanager
 def watched(launcher, saving):
-  """In the process the user started, around the run: a thread of its own takes SIGTERM and
-  SIGINT, so that it acts at once even while the main thread is busy in XLA (compiling,
+  """In the process the user started, around the run: a thread of its own takes SIGTERM, SIGINT
+  and SIGHUP (utils.take_stop_signals), so that it acts at once even while the main thread is busy in XLA (compiling,
   say). The first asks for a stop after the current step (utils.request_stop), a second
   Ctrl-C ends the run at once. A launcher (where torch_xla.launch spawns the replicas) passes
   them on to its replicas (`kill PID` reaches it alone), and the same thread watches them: torch_xla.launch
@@ -373,8 +373,7 @@ def watched(launcher, saving):
   utils.whole_lines()
   wakeup_read, wakeup_write = os.pipe()
   os.set_blocking(wakeup_write, False)
-  for signum in utils.STOP_SIGNALS:
-    signal.signal(signum, lambda signum, frame: None)  # The watch thread acts on them.
+  utils.take_stop_signals(lambda signum, frame: None)  # The watch thread acts on them.
   signal.set_wakeup_fd(wakeup_write)
   at_once = not torch.distributed.is_torchelastic_launched()
   threading.Thread(target=_watch, args=(wakeup_read, launcher, saving, at_once),
@@ -420,7 +419,7 @@ def _stop_line(signum, saving, at_once):
   if saving:
     return 'Stopping after this step and saving' + (
         f' ({utils.INTERRUPT} again to end at once without saving)' if again else
-        ' (SIGTERM)' if signum == signal.SIGTERM else '')
+        f' ({signal.Signals(signum).name})' if signum != signal.SIGINT else '')
   return 'Stopping after this step (nothing is saved without --ckpt_dir' + (
       f'; {utils.INTERRUPT} again to end at once)' if again else ')')
 

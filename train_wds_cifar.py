@@ -236,6 +236,7 @@ def decode(image_key, data):
         raise ValueError(f'a {image.dtype} array of shape {image.shape}, not uint8 H x W x 3')
     elif image_key == 'ppm' and (header := PPM_HEADER.match(data)):  # Raw RGB: no PIL needed.
       width, height = int(header[1]), int(header[2])
+      utils.check_pixels(width, height)
       image = np.frombuffer(data, np.uint8, width * height * 3, header.end())
       image = image.reshape(height, width, 3)
     else:

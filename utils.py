@@ -13,6 +13,7 @@ import itertools
 import json
 import math
 import multiprocessing
+import multiprocessing.resource_tracker
 import os
 import pickle
 import re
@@ -22,6 +23,7 @@ import threading
 import time
 import traceback
 import types
+import warnings
 import zipfile
 
 import fsspec.implementations.local
@@ -38,16 +40,19 @@ from PIL import Image
 from torchvision.io import ImageReadMode, decode_jpeg
 from torchvision.transforms import v2
 
+# PIL warns of an image over its pixel limit as it opens it; decode_image refuses it in its line.
+warnings.filterwarnings('ignore', category=Image.DecompressionBombWarning)
 EXIT_BELOW_TARGET = 21  # upstream's code for a run below --target_accuracy
 EXIT_DIVERGED = 22  # the loss or the weights ran away: nothing was saved after it
-EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped by SIGTERM after a checkpoint; run it again.
+EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped by SIGTERM (SIGHUP) after a checkpoint; run it again.
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a Ctrl-C.
 # The user's SIGINT in the lines about it: a notebook's run() says "Interrupt", after its button.
 INTERRUPT = os.environ.get('INTERRUPT_NAME', 'Ctrl-C')
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)  # of pixels 0 to 1
 # Flags that decide an epoch's batches: a resume with another value warns (checkpoint_to_resume).
 BATCH_FLAGS = ('datadir', 'fake_data', 'batch_size', 'seed', 'num_steps', 'img_dim', 'drop_last')
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+# SIGHUP: a closed terminal or ssh session. Under nohup it is ignored, and stays so.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
 # ------------------------------------------------------------------ errors and exit codes
@@ -170,15 +175,18 @@ def load_image(path):
 def decode_image(data):
   """The image file's bytes as a uint8 RGB tensor (3 x H x W): a JPEG by torchvision's decoder
   (libjpeg-turbo, no PIL image on the way), any other by PIL, 16-bit grey scaled to 8 bits; a
-  ValueError says why it cannot (a truncated or unknown file, pixels of no known range)."""
-  if data[:3] == b'\xff\xd8\xff':
+  ValueError says why it cannot (a truncated or unknown file, pixels of no known range, more
+  pixels than check_pixels takes: said from the header, before any decoding)."""
+  if data[:3] == b'\xff\xd8\xff' and (size := jpeg_size(data)):  # Else PIL's header check.
+    check_pixels(*size)
     try:
       return decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8),
                          mode=ImageReadMode.RGB)
     except RuntimeError:
       pass  # PIL reads some that libjpeg refuses here, and says what is wrong with the rest.
   try:
-    with Image.open(io.BytesIO(data)) as image:
+    with Image.open(io.BytesIO(data)) as image:  # The header only, so far.
+      check_pixels(*image.size)
       if image.mode.startswith('I;16') or (image.mode == 'I' and image.format == 'PNG'):
         # PIL's convert('RGB') clips 16-bit values at 255: most pixels would come out white.
         grey = (np.asarray(image).astype(np.uint32) + 128) // 257
@@ -189,8 +197,29 @@ def decode_image(data):
       return v2.functional.pil_to_tensor(image.convert('RGB'))
   except Image.UnidentifiedImageError:
     raise ValueError('not an image file') from None
-  except OSError as e:  # Truncated files; a mode PIL cannot make RGB is a ValueError.
-    raise ValueError(str(e)) from None
+  except (OSError, Image.DecompressionBombError) as e:  # Truncated files; over twice PIL's limit.
+    raise ValueError(str(e)) from None  # (A mode PIL cannot make RGB is a ValueError.)
+
+
+def check_pixels(width, height):
+  """A ValueError for an image of more pixels than PIL's limit (Image.MAX_IMAGE_PIXELS, 89.5M;
+  None: no limit): a 30000x30000 JPEG of 10 MB takes 2.7 GB and half a minute to decode."""
+  limit = Image.MAX_IMAGE_PIXELS
+  if limit and width * height > limit:
+    raise ValueError(f'{width}x{height} pixels, over the limit of {limit:,} (PIL\'s '
+                     'Image.MAX_IMAGE_PIXELS: raise it to read such images)')
+
+
+def jpeg_size(data):
+  """(width, height) of a JPEG from its frame header, read without decoding (in 3 us, where
+  PIL's header reading takes 24), or None if it finds none."""
+  at = 2
+  while at + 9 <= len(data) and data[at] == 0xFF:
+    marker = data[at + 1]
+    if 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):  # SOF0-15: a frame
+      return int.from_bytes(data[at + 7:at + 9], 'big'), int.from_bytes(data[at + 5:at + 7], 'big')
+    at += 1 if marker == 0xFF else 2 + int.from_bytes(data[at + 2:at + 4], 'big')
+  return None
 
 
 def image_folder(root, split, transform=None, splits=('train', 'val')):
@@ -347,8 +376,8 @@ def warmup_step_decay(step, steps_per_epoch, warmup_epochs, divide_every_n_epoch
 
 def ignore_stop_signals(worker_id=None):
   """DataLoader worker_init_fn: workers serve on after a stop signal, so the run can save."""
-  signal.signal(signal.SIGTERM, signal.SIG_IGN)
-  signal.signal(signal.SIGINT, signal.SIG_IGN)
+  for signum in STOP_SIGNALS:
+    signal.signal(signum, signal.SIG_IGN)
 
 
 # ----------------------------------------------------------------- the log and results
@@ -618,14 +647,14 @@ def new_recipe(optimizer, scheduler, saved, given):
 
 
 # ----------------------------------------------------------------------------- the stop
-# The first SIGTERM or SIGINT this process got, or 0. A plain value: a handler takes no lock,
+# The first stop signal (STOP_SIGNALS) this process got, or 0. A plain value: a handler takes no lock,
 # since a second signal (a launcher passing one on) can run it inside the first.
 _stop_signal = 0
 _wakeup = None  # The end of the pipe that Python writes every signal to (see stop_on_signals).
 
 
 def stop_signal():
-  """The first stop signal this process got (SIGTERM or SIGINT), or 0."""
+  """The first stop signal this process got (SIGTERM, SIGINT or SIGHUP), or 0."""
   global _stop_signal
   if not _stop_signal and _wakeup is not None:
     try:  # What arrived while the main thread, which runs handlers, was blocked.
@@ -637,26 +666,37 @@ def stop_signal():
 
 
 def request_stop(signum, frame=None):
-  """The handler of SIGTERM and SIGINT: a stop after the current step. A second one (a terminal's
+  """The handler of the stop signals: a stop after the current step. A second one (a terminal's
   Ctrl-C reaches a torchrun worker from both it and torchrun) changes nothing: the first is kept."""
   global _stop_signal
   _stop_signal = _stop_signal or signum
 
 
 def stop_on_signals(launcher=False):
-  """SIGTERM and SIGINT become a stop after the current step (docs/checkpoints.md#stopping), in
+  """SIGTERM, SIGINT and SIGHUP become a stop after the current step (see take_stop_signals,
+  docs/checkpoints.md#stopping), in
   the main thread of every process of a run (a spawned replica: as it imports the script); a
   launcher passes them on to its replicas. A replica trains in a thread of torch_xla's, so its
   handler may never run: stop_signal also reads the wakeup pipe Python writes every signal to.
   Returns a context to launch in, where supervisor.watched may stand instead."""
   global _wakeup
   whole_lines()
-  for signum in STOP_SIGNALS:
-    signal.signal(signum, _pass_on if launcher else request_stop)
+  take_stop_signals(_pass_on if launcher else request_stop)
   if not launcher:
     _wakeup, wakeup_write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
     signal.set_wakeup_fd(wakeup_write)
   return _replica_death_said() if launcher else contextlib.nullcontext()
+
+
+def take_stop_signals(handler):
+  """handler for the STOP_SIGNALS, but a SIGHUP that is ignored (nohup) stays so. First starts
+  multiprocessing's resource tracker (which ignores SIGINT and SIGTERM itself) ignoring SIGHUP:
+  a closed terminal would end it, and the run's queues would then print tracebacks."""
+  hangup = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+  multiprocessing.resource_tracker.ensure_running()
+  for signum in STOP_SIGNALS:
+    if signum != signal.SIGHUP or hangup != signal.SIG_IGN:
+      signal.signal(signum, handler)
 
 
 @contextlib.contextmanager
@@ -747,8 +787,8 @@ def record_stop(results, signum, global_step, checkpoint=None):
   if signum == signal.SIGINT:
     results['interrupted'] = True
     return f'{INTERRUPT} (SIGINT)', EXIT_INTERRUPTED
-  results['preempted'] = True
-  return 'SIGTERM', EXIT_PREEMPTED
+  results['preempted'] = True  # SIGTERM, or SIGHUP: stopped from outside, saved
+  return signal.Signals(signum).name, EXIT_PREEMPTED
 
 
 class StopVote:

@@ -141,10 +141,11 @@ def make_cifar_python(folder, per_batch, test_count, seed=0, colours=COLOURS):
 
 # ------------------------------------------------------------ interrupted runs
 
-def start_script(script, *args, env=None):
+def start_script(script, *args, env=None, wrapper=()):
   """Starts one of the repo's scripts in a process group of its own (with its replicas and
-  loader workers); stdout and stderr come merged, line by line."""
-  cmd = [sys.executable, str(REPO / script), *map(str, args)]
+  loader workers); stdout and stderr come merged, line by line. wrapper: a command that runs
+  it (['nohup'])."""
+  cmd = [*wrapper, sys.executable, str(REPO / script), *map(str, args)]
   return subprocess.Popen(cmd, cwd=REPO, env=env or script_env(), stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, bufsize=1, start_new_session=True)
 
@@ -299,3 +300,22 @@ def assert_same_training(resumed_dir, reference_dir):
   for index, state in theirs['optimizer']['state'].items():
     assert torch.equal(ours['optimizer']['state'][index]['momentum_buffer'],
                        state['momentum_buffer']), index
+
+
+def oversized_image(kind, side):
+  """The bytes of a side x side PNG or JPEG as its header says, small on disk: a real 16x16
+  image whose header (PNG's IHDR, JPEG's frame) is made to say side x side. Decoded, it would
+  fail or take side x side x 3 bytes; read from its header, its size alone refuses it."""
+  import io
+  import struct
+  import zlib
+  with io.BytesIO() as f:
+    Image.new('RGB', (16, 16), (200, 30, 30)).save(f, format=kind)
+    data = bytearray(f.getvalue())
+  if kind == 'PNG':  # IHDR: its length, type, width, height, ..., and a CRC of type and data.
+    data[16:24] = struct.pack('>II', side, side)
+    data[29:33] = struct.pack('>I', zlib.crc32(bytes(data[12:29])))
+  else:  # The frame header (SOF0): marker, length, precision, height, width.
+    frame = data.index(b'\xff\xc0')
+    data[frame + 5:frame + 9] = struct.pack('>HH', side, side)
+  return bytes(data)

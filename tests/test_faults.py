@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from conftest import (REPO, TRAIN_LINE, assert_nothing_left, assert_one_error, finish,
-                      make_cifar_python, make_image_folder, run_processes, run_script,
-                      script_env, start_script, wait_for)
+                      make_cifar_python, make_image_folder, oversized_image, run_processes,
+                      run_script, script_env, start_script, wait_for)
 
 
 def replicas(session):
@@ -252,7 +252,20 @@ SHARD_WRITER_MISTAKES = {
                      '--output', tmp / 's'],
         r'^error: cannot read image \S+/f/val/red/notes\.png \(not an image file\): replace or '
         r'remove the file$'),
+    'an image over the pixel limit': (  # Kept as it is, it would be refused by every epoch.
+        lambda tmp: ['--image_folder', oversized_in(make_image_folder(tmp / 'f', 'train', 1)),
+                     '--output', tmp / 's'],
+        r"^error: image \S+/f/val/red/big\.jpg: 30000x30000 pixels, over the limit of "
+        r"89,478,485 \(PIL's Image\.MAX_IMAGE_PIXELS: raise it to read such images\); resize it "
+        r'or remove it$'),
 }
+
+
+def oversized_in(folder):
+  """The folder with a val split whose red class holds a JPEG of 30000x30000 pixels."""
+  make_image_folder(folder, 'val', 1)
+  (folder / 'val' / 'red' / 'big.jpg').write_bytes(oversized_image('JPEG', 30000))
+  return folder
 
 
 def not_an_image(folder):

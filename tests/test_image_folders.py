@@ -17,6 +17,7 @@ from PIL import Image
 import supervisor
 import train_single_core
 import utils
+from conftest import oversized_image
 
 SEED = 7
 
@@ -75,6 +76,21 @@ def test_a_file_that_cannot_be_read_is_one_line_naming_it(tmp_path, name, cut):
   with pytest.raises(utils.BadDataError) as error:
     utils.load_image(path)
   assert re.fullmatch(rf'cannot read image {re.escape(str(path))} \([^\n]+\): replace or remove '
+                      r'the file', str(error.value)), error.value
+
+
+@pytest.mark.parametrize('kind, side', [('JPEG', 10000), ('JPEG', 30000), ('PNG', 10000),
+                                        ('PNG', 30000)])
+def test_an_image_over_the_pixel_limit_is_one_line_from_its_header(tmp_path, kind, side):
+  # Over PIL's Image.MAX_IMAGE_PIXELS (89.5M), and over twice it (where PIL's open refuses it).
+  path = tmp_path / f'big.{kind.lower()}'
+  path.write_bytes(oversized_image(kind, side))
+  with pytest.raises(utils.BadDataError) as error:
+    utils.load_image(path)
+  said = (f'{side}x{side} pixels, over the limit of 89,478,485 \\(PIL\'s Image.MAX_IMAGE_PIXELS: '
+          'raise it to read such images\\)' if kind == 'JPEG' or side == 10000 else
+          r'Image size \(900000000 pixels\) exceeds limit of 178956970 pixels.*')
+  assert re.fullmatch(rf'cannot read image {re.escape(str(path))} \({said}\): replace or remove '
                       r'the file', str(error.value)), error.value
 
 

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: BSD-3-Clause
-"""Checkpoints, exact resume and SIGTERM in train_single_core.py, end to end on XLA:CPU.
+"""Checkpoints, exact resume, SIGTERM and SIGHUP in train_single_core.py, end to end on XLA:CPU.
 
 A run is interrupted at a random step (SIGKILL), stopped by SIGTERM, killed in the middle
 of writing a checkpoint, and restarted each time with the same command; it must end with
@@ -175,26 +175,29 @@ def test_a_stop_as_an_epoch_ends_saves_once_and_after_the_last_epoch_is_the_end(
           '--test_set_batch_size', 4, '--num_steps', 3, '--log_steps', 1, '--num_epochs', 2,
           '--ckpt_dir', ckpt_dir, '--ckpt_every_steps', 3, '--results_json', tmp_path / 'r.json']
 
-  def stop_as_epoch_ends(epoch):
-    """SIGTERM once the epoch's training is over: it lands while the epoch is evaluated."""
-    process = start_script(SCRIPT, *args)
+  def stop_as_epoch_ends(epoch, signals, nohup=False):
+    """The signals, in turn, to the run's process group once the epoch's training is over: they
+    land while the epoch is evaluated. A closed terminal or ssh session sends SIGHUP so."""
+    process = start_script(SCRIPT, *args, wrapper=['nohup'] if nohup else [])
     so_far = wait_for(process, rf'^Epoch {epoch} train end ')
-    os.killpg(process.pid, signal.SIGTERM)
+    for sig in signals:
+      os.killpg(process.pid, sig)
     code, rest = finish(process)
     return code, so_far + rest
 
-  code, out = stop_as_epoch_ends(1)
+  code, out = stop_as_epoch_ends(1, [signal.SIGHUP])
   assert code == 75, out
-  assert re.search(r'^Stopping after this step and saving \(SIGTERM\)$', out, re.M), out
+  assert re.search(r'^Stopping after this step and saving \(SIGHUP\)$', out, re.M), out
   saved = str(ckpt_dir / 'ckpt-00000003.pt')
   # Once, though --ckpt_every_steps falls on the epoch's last step too.
   assert re.findall(r'^Saved checkpoint (\S+)$', out, re.M) == [saved], out
-  assert re.search(rf'^Stopped by SIGTERM at epoch 2 step 0: saved {re.escape(saved)}; run the '
+  assert re.search(rf'^Stopped by SIGHUP at epoch 2 step 0: saved {re.escape(saved)}; run the '
                    r'same command to resume \(exit code 75\)$', out, re.M), out
-  # Epoch 2 is the last: a stop as it ends has nothing left to stop, and the run is done.
-  code, out = stop_as_epoch_ends(2)
+  # Epoch 2 is the last: a stop as it ends has nothing left to stop, and the run is done. Under
+  # nohup the SIGHUP is no stop: the SIGTERM after it is the one the line names.
+  code, out = stop_as_epoch_ends(2, [signal.SIGHUP, signal.SIGTERM], nohup=True)
   assert code == 0, out
-  assert re.search(r'^Stopping after this step and saving', out, re.M), out
+  assert re.search(r'^Stopping after this step and saving \(SIGTERM\)$', out, re.M), out
   assert re.findall(r'^Saved checkpoint (\S+)$', out, re.M) == [str(ckpt_dir / 'ckpt-00000006.pt')]
   assert 'Stopped by' not in out and re.search(r'^Max Accuracy: 100.00%$', out, re.M), out
   results = read_json(tmp_path / 'r.json')

@@ -1,8 +1,10 @@
 # SPDX-License-Identifier: BSD-3-Clause
 """make_cifar_shards.py as a user meets it: a prefix holding another run's shards, a stop by
-SIGTERM, its progress in a log, and the training command it prints, run as printed."""
+SIGTERM, its progress in a log, the training command it prints, run as printed, and a crafted
+CIFAR-10 batch file, refused before any of its code runs."""
 
 import os
+import pickle
 import re
 import shlex
 import signal
@@ -131,3 +133,30 @@ def test_printed_command_trains_on_a_small_set_as_printed(small_cifar, tmp_path)
   trained = run_script(command[1], *command[2:], '--num_epochs', 1)
   assert trained.returncode == 0, trained.stdout + trained.stderr
   assert re.search(r'^Epoch 1 Replica Train Samples=64 ', trained.stdout, re.M), trained.stdout
+
+
+class Planted:
+  """What a crafted batch file holds: unpickled, it would create the file `path` (harmless
+  here, and seen; a real one could run any command)."""
+
+  def __init__(self, path):
+    self.path = path
+
+  def __reduce__(self):
+    return open, (str(self.path), 'w')
+
+
+def test_a_crafted_cifar_batch_is_refused_before_any_of_its_code_runs(small_cifar, tmp_path):
+  cifar = tmp_path / 'cifar'
+  cifar.mkdir()
+  for path in small_cifar.iterdir():
+    (cifar / path.name).write_bytes(path.read_bytes())
+  planted = tmp_path / 'planted'
+  with open(cifar / 'data_batch_3', 'wb') as f:
+    pickle.dump({b'data': Planted(planted), b'labels': [0]}, f)
+  refused = run_script('make_cifar_shards.py', '--cifar_dir', cifar, '--output', tmp_path / 'out' / 'c')
+  assert_one_error(refused, 2, rf'^error: {re.escape(str(cifar / "data_batch_3"))} is not a '
+                   r'CIFAR-10 batch \(it holds a \w+\.open, which no CIFAR-10 batch holds\): '
+                   r'refused unread, since loading it could run code; download the python release '
+                   r'again$')
+  assert not planted.exists() and not (tmp_path / 'out').exists()

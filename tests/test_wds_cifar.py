@@ -34,8 +34,8 @@ import train_wds_cifar as wds_cifar
 import utils
 from conftest import (COLOURS, assert_nothing_left, assert_one_error, assert_same_training, finish,
                       make_cifar_python, make_image_folder, read_json, run_and_signal, run_script,
-                      script_env, seeded_random, start_script, training_losses, wait_for,
-                      write_image)
+                      oversized_image, script_env, seeded_random, start_script, training_losses,
+                      wait_for, write_image)
 
 
 @pytest.fixture(scope='module')
@@ -559,6 +559,29 @@ def test_sample_without_label_is_skipped(tmp_path):
   counter = train_wds_cifar.BadData(strict=False)
   read = list(train_wds_cifar.read_samples([path], counter, 10))
   assert [label for *_, label in read] == [1] and counter.count == 2
+
+
+def test_images_over_the_pixel_limit_are_bad_samples_read_from_their_headers(tmp_path, capfd):
+  # Each would take 300 MB to 2.7 GB decoded; its header alone refuses it, as any bad sample:
+  # a warning and skipped, or one line with --fail_on_bad_data.
+  good = io.BytesIO()
+  PIL.Image.new('RGB', (32, 32), (30, 200, 30)).save(good, format='PNG')
+  members = [('0.png', good.getvalue()), ('0.cls', b'1')]
+  for i, (kind, side) in enumerate([('PNG', 10000), ('PNG', 30000), ('JPEG', 30000)], 1):
+    members += [(f'{i}.{kind.lower()}', oversized_image(kind, side)), (f'{i}.cls', b'2')]
+  bad = write_tar(tmp_path / 'big.tar', members + [('4.png', good.getvalue()), ('4.cls', b'3')])
+  cfg = SimpleNamespace(img_dim=32, num_classes=10, test_set_batch_size=2, fail_on_bad_data=False,
+                        num_workers=0, read_timeout=20)
+  batches = list(wds_cifar.TestShards([bad], 0, 1, cfg))
+  assert [labels.tolist() for _, labels in batches] == [[1, 3]]
+  warnings = capfd.readouterr().err.splitlines()
+  assert [re.sub(r'^warning: sample (\d) of \S+big\.tar has no readable (\w+) image \((.{24}).*',
+                 r'\1 \2 \3', line) for line in warnings] == [
+      '1 png 10000x10000 pixels, over', '2 png Image size (900000000 pi',
+      '3 jpeg 30000x30000 pixels, over'], warnings
+  with pytest.raises(utils.BadDataError, match=r'sample 1 of \S+big\.tar has no readable png image '
+                     r'\(10000x10000 pixels, over the limit of 89,478,485 .*--fail_on_bad_data'):
+    list(wds_cifar.TestShards([bad], 0, 1, SimpleNamespace(**{**vars(cfg), 'fail_on_bad_data': True})))
 
 
 def test_bad_sample_warnings_stop_after_a_few_and_the_count_goes_on(tmp_path, capfd):
