@@ -189,11 +189,19 @@ def check_outputs(ckpt_dir, logdir, results_json, compile_cache_dir=None):
   for flag, folder in ((flag, folder) for flag, folder in folders.items() if folder):
     try:
       reach(folder, lambda: _write_probe(folder, leftovers=flag == 'ckpt_dir'))
+      if flag == 'results_json' and reach(results_json, lambda: _is_folder(results_json)):
+        raise utils.UsageError(f'--results_json {results_json} is a folder: give a file name, such '
+                               f'as {results_json.rstrip("/")}/results.json')
     except utils.UsageError:
       raise
     except Exception as e:  # PermissionError, NotADirectoryError, a bucket's auth error, ...
       raise utils.UsageError(f'cannot write to --{flag} {folder} ({type(e).__name__}: {e}): give a '
                              'folder or bucket this job can write') from None
+
+
+def _is_folder(url):
+  fs, path = fsspec.core.url_to_fs(url)
+  return fs.isdir(path)
 
 
 def _write_probe(folder, leftovers):

@@ -223,8 +223,9 @@ def train_one_epoch(run, loader, epoch, first_step):
       if step % cfg.log_steps == 0:
         xm.add_step_closure(run.log.add, args=(epoch, step, run.global_step, loss, tracker,
                                                run.optimizer.param_groups[0]['lr']))
-      # The same answer on every replica (and the end of the run if loss or weights run away).
-      stopping = run.stop.agreed_after_step(loss, f'epoch {epoch} step {step}')
+      # The same answer on every replica; the end of the run if loss or weights run away, or a
+      # label is none of the classes.
+      stopping = run.stop.agreed_after_step(loss, labels, f'epoch {epoch} step {step}')
     steps += 1
     run.global_step += 1
     if stopping:

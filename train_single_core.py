@@ -216,7 +216,7 @@ def train_one_epoch(run, loader, epoch, first_step):
       if step % cfg.log_steps == 0:
         xm.add_step_closure(run.log.add, args=(epoch, step, run.global_step, loss, tracker,
                                                run.optimizer.param_groups[0]['lr']))
-      stopping = run.stop.agreed_after_step(loss, f'epoch {epoch} step {step}')
+      stopping = run.stop.agreed_after_step(loss, labels, f'epoch {epoch} step {step}')
     steps += 1
     run.global_step += 1
     if stopping:

@@ -793,8 +793,10 @@ def record_stop(results, signum, global_step, checkpoint=None):
 
 class StopVote:
   """A stop signal on any replica (SPMD: host) as a stop after the same step on all of them;
-  and a loss or weights that ran away on any (NaN, infinite, over the bounds below) as the end
-  of the run on all (Diverged), read before every save, so that no checkpoint holds them."""
+  a loss or weights that ran away on any (NaN, infinite, over the bounds below) as the end
+  of the run on all (Diverged); and a label outside the classes in a replica's batch as that
+  replica's failure (BadDataError: on XLA the cross entropy trains on it without a word).
+  Read before every save, so that no checkpoint holds them."""
   LAG = 2
   LOSS_BOUND = 100  # times ln(classes): far above any loss a run that learns has
   WEIGHT_BOUND = 1e4  # A network that learns has its weights mostly below 1.
@@ -805,6 +807,7 @@ class StopVote:
     self.stop_signal, self.votes = stop_signal, collections.deque()
     self.weights = [w for group in optimizer.param_groups for w in group['params']]
     self.loss_bound = self.LOSS_BOUND * math.log(max(num_classes, 2))
+    self.num_classes = num_classes
 
   def tally(self, flag, loss):
     """[share of the replicas asking to stop, their mean loss, the largest weight]."""
@@ -819,14 +822,22 @@ class StopVote:
                            for w in self.weights]).max()
     return torch.stack([loss.detach().float(), largest.float()])
 
-  def agreed_after_step(self, loss, where):
-    """Whether all stop after this step: the tally is in the step's graph and read LAG steps
-    on, when it is long computed. Raises Diverged for a loss or weights that ran away."""
-    self.votes.append((where, self.tally(self.flags[self.stop_signal() != 0], loss)))
+  def agreed_after_step(self, loss, labels, where):
+    """Whether all stop after this step: the tally, and the count of this replica's labels
+    outside the classes, are in the step's graph and read LAG steps on, when long computed.
+    Raises Diverged for a loss or weights that ran away, BadDataError for such a label."""
+    outside = ((labels < 0) | (labels >= self.num_classes)).sum().float().view(1)
+    tally = torch.cat([self.tally(self.flags[self.stop_signal() != 0], loss), outside])
+    self.votes.append((where, labels, tally))
     return len(self.votes) > self.LAG and self._read(*self.votes.popleft())
 
-  def _read(self, where, tally):
-    stops, loss, largest = tally.tolist()
+  def _read(self, where, labels, tally):
+    stops, loss, largest, outside = tally.tolist()
+    if outside:  # Which one: read from the device now, the run ending.
+      label = next(label for label in labels.cpu().tolist() if not 0 <= label < self.num_classes)
+      raise BadDataError(f'label {label} in the batch of {where} is not one of the '
+                         f'{self.num_classes} classes (labels 0 to {self.num_classes - 1}): fix '
+                         "the dataset's labels, or the class count build_datasets returns")
     if not loss <= self.loss_bound:  # NaN too
       raise Diverged(f'the loss became {"NaN" if math.isnan(loss) else "infinite"} at {where}'
                      if not math.isfinite(loss) else f'the loss reached {loss:.3g} at {where} '

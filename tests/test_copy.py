@@ -301,3 +301,30 @@ def test_grey_images_are_one_line_naming_the_fix_for_an_rgb_model_and_train_with
   assert re.search(r'^Data: 256 training and 20 evaluation samples of 1x16x16 uint8', out, re.M)
   trained = [float(loss) for loss in training_losses(out).values()]
   assert len(trained) == 4 and all(np.isfinite(trained)), out
+
+
+def test_kit_alone_ends_a_run_whose_dataset_gives_a_label_outside_its_classes(tmp_path):
+  # On XLA the cross entropy takes label 7 of 3 classes without an error: such a run trained to
+  # exit 0. Every batch's labels are counted in the step's graph, read with the stop vote.
+  project = tmp_path / 'project'
+  copy_kit('train_resnet_mp.py', project)
+  script = project / 'train_resnet_mp.py'
+  source = script.read_text()
+  start = source.index('def build_datasets(')
+  end = source.index('\n# ---', start)
+  script.write_text(source[:start] + textwrap.dedent('''\
+      def build_datasets(cfg):
+        images = torch.rand(48, 3, 16, 16, generator=torch.Generator().manual_seed(0))
+        labels = torch.arange(48) % 3
+        labels[20] = 7  # In the middle: a check of the first and last samples misses it.
+        dataset = torch.utils.data.TensorDataset(images, labels)
+        return dataset, dataset, 3
+      ''') + source[end:])
+  process = start_in(project, 'train_resnet_mp.py', '--model', 'resnet18', '--batch_size', 8,
+                     '--num_epochs', 1, '--log_steps', 1, '--num_workers', 0)
+  out, _ = process.communicate(timeout=600)
+  assert_one_error((process.returncode, out), 2, r'^error: label 7 in the batch of epoch 1 step \d '
+                   r"is not one of the 3 classes \(labels 0 to 2\): fix the dataset's labels, or "
+                   r'the class count build_datasets returns$')
+  assert 'test end' not in out, out
+  assert_nothing_left(session=process.pid)

@@ -233,6 +233,9 @@ BAD_INPUTS = {
     'unwritable results_json': (lambda tmp: ['--fake_data', '--results_json',
                                              _a_file(tmp) / 'r.json'],
                                 r'cannot write to --results_json \S+/a_file \(\w+Error'),
+    'results_json a folder': (lambda tmp: ['--fake_data', '--results_json', tmp],
+                              r'^error: --results_json (\S+) is a folder: give a file name, such as '
+                              r'\1/results\.json$'),
     'unwritable ckpt_dir': (lambda tmp: ['--fake_data', '--ckpt_dir', _a_file(tmp) / 'ckpt'],
                             r'cannot write to --ckpt_dir \S+/a_file/ckpt \(\w+Error'),
 }
