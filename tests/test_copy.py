@@ -310,9 +310,13 @@ def test_kit_alone_ends_a_run_whose_dataset_gives_a_label_outside_its_classes(tm
   copy_kit('train_resnet_mp.py', project)
   script = project / 'train_resnet_mp.py'
   source = script.read_text()
-  start = source.index('def build_datasets(')
+  start = source.index('def build_model(')
   end = source.index('\n# ---', start)
   script.write_text(source[:start] + textwrap.dedent('''\
+      def build_model(cfg, num_classes):  # Small: it compiles in a second.
+        return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 16 * 16, num_classes))
+
+
       def build_datasets(cfg):
         images = torch.rand(48, 3, 16, 16, generator=torch.Generator().manual_seed(0))
         labels = torch.arange(48) % 3
@@ -320,7 +324,7 @@ def test_kit_alone_ends_a_run_whose_dataset_gives_a_label_outside_its_classes(tm
         dataset = torch.utils.data.TensorDataset(images, labels)
         return dataset, dataset, 3
       ''') + source[end:])
-  process = start_in(project, 'train_resnet_mp.py', '--model', 'resnet18', '--batch_size', 8,
+  process = start_in(project, 'train_resnet_mp.py', '--model', 'linear', '--batch_size', 8,
                      '--num_epochs', 1, '--log_steps', 1, '--num_workers', 0)
   out, _ = process.communicate(timeout=600)
   assert_one_error((process.returncode, out), 2, r'^error: label 7 in the batch of epoch 1 step \d '
