@@ -367,17 +367,18 @@ _ending = threading.RLock()  # Held by the thread that ends the run (a handler m
 
 @contextlib.contextmanager
 def watched(launcher, saving):
-  """In the process the user started, around the run: a thread of its own takes SIGTERM, SIGINT
-  and SIGHUP (utils.take_stop_signals), so that it acts at once even while the main thread is busy in XLA (compiling,
-  say). The first asks for a stop after the current step (utils.request_stop), a second
-  Ctrl-C ends the run at once. A launcher (where torch_xla.launch spawns the replicas) passes
-  them on to its replicas (`kill PID` reaches it alone), and the same thread watches them: torch_xla.launch
-  waits for replica 0 first, and would wait forever for a run whose other replica failed,
-  so when one ends with an error or a signal (the OOM killer's, say) the thread kills the
-  others and their loader workers and exits with that code (128 + N for signal N). saving:
-  whether a stop saves a checkpoint (the line the first signal prints at once says so).
-  Under torchrun a Ctrl-C reaches this process twice, from the terminal and from torchrun,
-  and torchrun ends its workers itself: a second signal changes nothing there."""
+  """In the process the user started, around the run: a thread of its own takes SIGTERM, SIGINT and
+  SIGHUP (utils.take_stop_signals), so that it acts at once even while the main thread is busy
+  in XLA (compiling, say). The first asks for a stop after the current step
+  (utils.request_stop), a second Ctrl-C ends the run at once. A launcher (where torch_xla.launch
+  spawns the replicas) passes them on to its replicas (`kill PID` reaches it alone), and the
+  same thread watches them: torch_xla.launch waits for replica 0 first, and would wait forever
+  for a run whose other replica failed, so when one ends with an error or a signal (the OOM
+  killer's, say) the thread kills the others and their loader workers and exits with that code
+  (128 + N for signal N). saving: whether a stop saves a checkpoint (the line the first signal
+  prints at once says so). Under torchrun a Ctrl-C reaches this process twice, from the terminal
+  and from torchrun, and torchrun ends its workers itself: a second signal changes nothing
+  there."""
   utils.whole_lines()
   wakeup_read, wakeup_write = os.pipe()
   os.set_blocking(wakeup_write, False)

@@ -647,8 +647,8 @@ def new_recipe(optimizer, scheduler, saved, given):
 
 
 # ----------------------------------------------------------------------------- the stop
-# The first stop signal (STOP_SIGNALS) this process got, or 0. A plain value: a handler takes no lock,
-# since a second signal (a launcher passing one on) can run it inside the first.
+# The first stop signal (STOP_SIGNALS) this process got, or 0. A plain value: a handler takes
+# no lock, since a second signal (a launcher passing one on) can run it inside the first.
 _stop_signal = 0
 _wakeup = None  # The end of the pipe that Python writes every signal to (see stop_on_signals).
 
