@@ -179,7 +179,8 @@ def usable_workers(num_workers, given):
 
 def check_outputs(ckpt_dir, logdir, results_json, compile_cache_dir=None):
   """A probe file into each output folder given: a place that takes none fails before training,
-  not after it. First frees what a killed save left in ckpt_dir."""
+  not after it. First refuses a ckpt_dir another run holds, then frees what a killed save left
+  in it."""
   if compile_cache_dir and '://' in compile_cache_dir:
     raise utils.UsageError(f'--compile_cache_dir {compile_cache_dir}: torch_xla writes its compile '
                            "cache with plain file I/O: give a folder on this host's disk or a "
@@ -207,6 +208,7 @@ def _is_folder(url):
 def _write_probe(folder, leftovers):
   fs, path = fsspec.core.url_to_fs(folder)
   if leftovers:
+    utils.claim_folder(folder, hold=False)  # Another run's save in progress is not a leftover.
     try:
       for name in fs.glob(f'{path.rstrip("/")}/*.pt.tmp*'):
         fs.rm(name)

@@ -7,6 +7,8 @@ a copied script needs it and nothing else (supervisor.py, command.py: optional).
 import collections
 import concurrent.futures
 import contextlib
+import errno
+import fcntl
 import functools
 import io
 import itertools
@@ -18,6 +20,7 @@ import os
 import pickle
 import re
 import signal
+import socket
 import sys
 import threading
 import time
@@ -493,6 +496,45 @@ def write_atomically(data, url):
 
 
 # -------------------------------------------------------------------------- checkpoints
+# One run per --ckpt_dir: {ckpt_dir: the global steps of its checkpoints this run may replace or
+# remove}, those there as it claimed the folder and those it wrote (see claim_folder).
+_ours = {}
+_locks = {}  # {lock file: its descriptor}, held until this process ends.
+
+
+def claim_folder(ckpt_dir, hold=True):
+  """Makes ckpt_dir this run's, or raises a UsageError if a live run holds it. A local folder is
+  locked with an OS lock on ckpt_dir/.lock, which ends with the process, by SIGKILL too (so a
+  killed run leaves nothing that blocks its resume); hold=False only checks. A bucket has no
+  such lock: write_checkpoint refuses to go on there once it meets a checkpoint this run did not
+  write, before it writes or removes any file (docs/checkpoints.md#one-run-per-folder)."""
+  fs, path = fsspec.core.url_to_fs(ckpt_dir)
+  if isinstance(fs, fsspec.implementations.local.LocalFileSystem) and path not in _locks:
+    try:
+      os.makedirs(path, exist_ok=True)
+      lock = os.open(os.path.join(path, '.lock'), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except OSError as e:
+      raise UsageError(f'cannot write to --ckpt_dir {ckpt_dir} ({e.strerror}): give a folder or '
+                       'bucket this job can write') from None
+    try:  # A POSIX lock: the loader workers forked from this process do not inherit it.
+      fcntl.lockf(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+      if hold:  # Whose it is, for the line of a second run.
+        os.ftruncate(lock, 0)
+        os.pwrite(lock, f'process {os.getpid()} on {socket.gethostname()}, since '
+                        f'{time.strftime("%Y-%m-%d %H:%M:%S")}\n'.encode(), 0)
+        _locks[path] = lock
+    except OSError as e:  # Else a file system without locks (some network mounts): a bucket's way.
+      if e.errno in (errno.EACCES, errno.EAGAIN):
+        holder = os.pread(lock, 200, 0).decode(errors='replace').strip() or 'a live process'
+        raise UsageError(f'--ckpt_dir {ckpt_dir} is in use by another run ({holder}): let it end '
+                         'or stop it, or give this run another --ckpt_dir') from None
+    finally:
+      if path not in _locks:
+        os.close(lock)  # Checked only (hold=False, before the spawn): the replica takes it.
+  if hold:
+    _ours[ckpt_dir] = set(list_checkpoints(ckpt_dir))
+
+
 def list_checkpoints(ckpt_dir):
   """{global_step: path} of the checkpoints in ckpt_dir."""
   fs, path = fsspec.core.url_to_fs(ckpt_dir)
@@ -512,6 +554,13 @@ def write_checkpoint(state, ckpt_dir, keep, best):
     xm.save(state, buffer, master_only=True, global_master=True)
   path = f'{ckpt_dir.rstrip("/")}/ckpt-{state["global_step"]:08d}.pt'
   if master:
+    saved = list_checkpoints(ckpt_dir)
+    ours = _ours.setdefault(ckpt_dir, set(saved))
+    if set(saved) - ours:  # Another run's, on a bucket, which has no lock (see claim_folder).
+      theirs = saved[min(set(saved) - ours)]
+      raise UsageError(f'--ckpt_dir {ckpt_dir} holds {theirs.rsplit("/", 1)[-1]}, which this run '
+                       'did not write: another run writes there (nothing of it was replaced); '
+                       'give each run its own --ckpt_dir')
     try:
       write_atomically(buffer.getvalue(), path)
       if best:
@@ -519,10 +568,12 @@ def write_checkpoint(state, ckpt_dir, keep, best):
     except OSError as e:  # A full disk or quota, a lost permission.
       raise UsageError(f'cannot write checkpoint {path} ({e}): free space in --ckpt_dir or '
                        'give another; the checkpoints already there are kept') from None
-    saved = list_checkpoints(ckpt_dir)
-    kept = sorted(step for step in saved if step <= state['global_step'])[-keep:]
-    for old in (saved[step] for step in saved if step not in kept):
-      fsspec.core.url_to_fs(old)[0].rm(fsspec.core.url_to_fs(old)[1])
+    ours.add(state['global_step'])
+    kept = sorted(step for step in ours if step <= state['global_step'])[-keep:]
+    for step in sorted(ours - set(kept)):
+      if step in saved:
+        fsspec.core.url_to_fs(saved[step])[0].rm(fsspec.core.url_to_fs(saved[step])[1])
+      ours.discard(step)
     print(f'Saved checkpoint {path}', flush=True)
   if xr.world_size() > 1:
     xm.rendezvous('checkpoint_saved')
@@ -557,6 +608,8 @@ def find_checkpoint(resume, ckpt_dir):
   """(path, state) to resume from, chosen by the master for every replica, or (None, None):
   --resume PATH, else the newest readable one in ckpt_dir (warning of each unreadable one)."""
   path, state = None, None
+  if xm.is_master_ordinal(local=False) and ckpt_dir:
+    claim_folder(ckpt_dir)  # A second run on it ends here, before it trains.
   if xm.is_master_ordinal(local=False) and resume:
     try:
       path, state = resume, load_checkpoint(resume)

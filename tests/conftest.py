@@ -9,6 +9,8 @@ import pathlib
 import re
 import shlex
 import random
+import signal
+import socket
 import subprocess
 import sys
 import time
@@ -319,3 +321,32 @@ def oversized_image(kind, side):
     frame = data.index(b'\xff\xc0')
     data[frame + 5:frame + 9] = struct.pack('>HH', side, side)
   return bytes(data)
+
+
+def closed_port():
+  """A port on 127.0.0.1 where nothing listens (bound, then closed)."""
+  with socket.socket() as probe:
+    probe.bind(('127.0.0.1', 0))
+    return probe.getsockname()[1]
+
+
+@pytest.fixture
+def bucket(tmp_path):
+  """A Cloud Storage emulator on 127.0.0.1 (gcp-storage-emulator, in memory) holding a bucket
+  named data, and the environment through which gcsfs reaches it as it reaches the real one
+  (STORAGE_EMULATOR_HOST; no credentials, google-auth's metadata server at a closed port)."""
+  port, closed = closed_port(), f'127.0.0.1:{closed_port()}'
+  server = subprocess.Popen([sys.executable, '-m', 'gcp_storage_emulator', 'start', '--host',
+                             '127.0.0.1', '--port', str(port), '--in-memory', '--default-bucket',
+                             'data', '--quiet'], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+  while True:  # Until it listens.
+    assert server.poll() is None, 'the emulator ended'
+    with socket.socket() as probe:
+      if probe.connect_ex(('127.0.0.1', port)) == 0:
+        break
+  yield dict(STORAGE_EMULATOR_HOST=f'http://127.0.0.1:{port}', GOOGLE_APPLICATION_CREDENTIALS='',
+             GCE_METADATA_HOST=closed, GCE_METADATA_IP=closed, NO_GCE_CHECK='true',
+             CLOUDSDK_CONFIG=str(tmp_path))
+  os.killpg(server.pid, signal.SIGTERM)
+  server.wait()

@@ -74,16 +74,28 @@ def signal_after_training_lines(process, count, sig, to_group):
 
 
 def test_kit_alone_stops_on_sigterm_and_resumes(tmp_path):
-  # The mp kit without supervisor.py: spawned replica, SIGTERM to the command alone. (That a
-  # resume is bitwise that of a run never stopped is utils.py's, the same with or without
-  # supervisor.py: tests/test_resnet_mp.py checks it.)
+  # The mp kit without supervisor.py: spawned replica, SIGTERM to the command alone; a second
+  # run on its --ckpt_dir refused by the replica. (That a resume is bitwise that of a run
+  # never stopped is utils.py's, the same with or without supervisor.py:
+  # tests/test_resnet_mp.py checks it.)
   project = tmp_path / 'project'
   copy_kit('train_resnet_mp.py', project)
   argv = ['train_resnet_mp.py', '--fake_data', '--model', 'resnet18', '--img_dim', 16,
           '--batch_size', 4, '--test_set_batch_size', 4, '--num_epochs', 2, '--num_steps', 4,
           '--log_steps', 1, '--lr', 0.02, '--ckpt_dir', tmp_path / 'ckpt']
   process = start_in(project, *argv, '--results_json', tmp_path / 'r.json')
-  code, out = signal_after_training_lines(process, 3, signal.SIGTERM, to_group=False)
+  # The same command again while it trains (held): its replica refuses the folder, in one line.
+  out = wait_for(process, r'^\| Training ')
+  os.killpg(process.pid, signal.SIGSTOP)
+  second = start_in(project, *argv)
+  second_out, _ = second.communicate(timeout=300)
+  os.killpg(process.pid, signal.SIGCONT)
+  assert_one_error((second.returncode, second_out), 2, r'^error: --ckpt_dir \S+ is in use by '
+                   r'another run \(process \d+ on \S+, since [-\d]+ [:\d]+\): let it end or '
+                   r'stop it, or give this run another --ckpt_dir$')
+  assert_nothing_left(session=second.pid)
+  code, rest = signal_after_training_lines(process, 2, signal.SIGTERM, to_group=False)
+  out += rest
   assert code == 75, out[-3000:]
   assert 'Data:' not in out  # supervisor.py's lines: it is not there.
   stopped = re.search(r'^Stopped by SIGTERM at epoch (\d) step (\d): saved \S+ckpt-\d+\.pt; run the '

@@ -204,7 +204,7 @@ def test_failed_checkpoint_write_is_one_line_and_keeps_the_earlier_ones(data, tm
                         preexec_fn=limit_file_size(20))
   assert_one_error(full, 2, r'cannot write checkpoint \S+ckpt-00000006\.pt \(.*File too large.*\): '
                             r'free space')
-  assert sorted(p.name for p in ckpt_dir.iterdir()) == ['best.pt', 'ckpt-00000003.pt']
+  assert sorted(p.name for p in ckpt_dir.iterdir()) == ['.lock', 'best.pt', 'ckpt-00000003.pt']
   # Bitwise the checkpoint the next run resumes from (resuming is tested in test_resume.py).
   assert (ckpt_dir / 'ckpt-00000003.pt').read_bytes() == kept
 

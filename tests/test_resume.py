@@ -12,12 +12,13 @@ import re
 import shutil
 import signal
 
+import fsspec
 import pytest
 import torch
 
-from conftest import (assert_one_error, assert_same_training, finish, kill_during_save,
-                      make_image_folder, read_json, run_and_signal, run_script, seeded_random,
-                      start_script, training_losses, wait_for)
+from conftest import (assert_nothing_left, assert_one_error, assert_same_training, finish,
+                      kill_during_save, make_image_folder, read_json, run_and_signal, run_script,
+                      script_env, seeded_random, start_script, training_losses, wait_for)
 
 SCRIPT = 'train_single_core.py'
 EPOCHS, STEPS = 2, 8  # 16 steps in all
@@ -94,7 +95,7 @@ def test_killed_stopped_and_killed_mid_save_run_ends_bitwise_equal(data, referen
   assert len(results['epoch_accuracies']) == EPOCHS
   # Two newest checkpoints and best.pt are kept.
   names = sorted(p.name for p in ckpt_dir.iterdir())
-  assert names == ['best.pt', 'ckpt-00000015.pt', 'ckpt-00000016.pt'], names
+  assert names == ['.lock', 'best.pt', 'ckpt-00000015.pt', 'ckpt-00000016.pt'], names
 
   result = run_script(SCRIPT, *flags(data, ckpt_dir))
   assert result.returncode == 0, result.stdout + result.stderr
@@ -175,17 +176,29 @@ def test_a_stop_as_an_epoch_ends_saves_once_and_after_the_last_epoch_is_the_end(
           '--test_set_batch_size', 4, '--num_steps', 3, '--log_steps', 1, '--num_epochs', 2,
           '--ckpt_dir', ckpt_dir, '--ckpt_every_steps', 3, '--results_json', tmp_path / 'r.json']
 
-  def stop_as_epoch_ends(epoch, signals, nohup=False):
+  def stop_as_epoch_ends(epoch, signals, nohup=False, second_run=False):
     """The signals, in turn, to the run's process group once the epoch's training is over: they
-    land while the epoch is evaluated. A closed terminal or ssh session sends SIGHUP so."""
+    land while the epoch is evaluated. A closed terminal or ssh session sends SIGHUP so.
+    second_run: the same command started again while this run trains (held by SIGSTOP)."""
     process = start_script(SCRIPT, *args, wrapper=['nohup'] if nohup else [])
-    so_far = wait_for(process, rf'^Epoch {epoch} train end ')
+    so_far = ''
+    if second_run:
+      so_far = wait_for(process, r'^\| Training ')
+      os.killpg(process.pid, signal.SIGSTOP)
+      second = run_script(SCRIPT, *args)
+      os.killpg(process.pid, signal.SIGCONT)
+      # Refused before the probe that frees what a killed save left: nothing of it was touched.
+      assert_one_error(second, 2, rf'^error: --ckpt_dir {re.escape(str(ckpt_dir))} is in use by '
+                                  rf'another run \(process {process.pid} on \S+, since [-\d]+ '
+                                  r'[:\d]+\): let it end or stop it, or give this run another '
+                                  r'--ckpt_dir$')
+    so_far += wait_for(process, rf'^Epoch {epoch} train end ')
     for sig in signals:
       os.killpg(process.pid, sig)
     code, rest = finish(process)
     return code, so_far + rest
 
-  code, out = stop_as_epoch_ends(1, [signal.SIGHUP])
+  code, out = stop_as_epoch_ends(1, [signal.SIGHUP], second_run=True)
   assert code == 75, out
   assert re.search(r'^Stopping after this step and saving \(SIGHUP\)$', out, re.M), out
   saved = str(ckpt_dir / 'ckpt-00000003.pt')
@@ -202,3 +215,31 @@ def test_a_stop_as_an_epoch_ends_saves_once_and_after_the_last_epoch_is_the_end(
   assert 'Stopped by' not in out and re.search(r'^Max Accuracy: 100.00%$', out, re.M), out
   results = read_json(tmp_path / 'r.json')
   assert results['train_steps'] == 6 and 'preempted' not in results, results
+
+
+def test_a_second_run_on_a_bucket_is_refused_before_it_replaces_a_checkpoint(bucket, tmp_path,
+                                                                             monkeypatch):
+  # A bucket has no lock: two runs on one --ckpt_dir are found out at a save. The other run's
+  # save here is a checkpoint that appears in the Cloud Storage emulator while this run is held
+  # (SIGSTOP) after its first save.
+  ckpt_dir = 'gs://data/run1'
+  args = ['--fake_data', '--model', 'resnet18', '--img_dim', 16, '--batch_size', 4,
+          '--test_set_batch_size', 4, '--num_steps', 6, '--log_steps', 1, '--num_epochs', 1,
+          '--ckpt_dir', ckpt_dir, '--ckpt_every_steps', 2]
+  process = start_script(SCRIPT, *args, env=script_env(**bucket))
+  out = wait_for(process, rf'^Saved checkpoint {ckpt_dir}/ckpt-00000002\.pt$')
+  os.killpg(process.pid, signal.SIGSTOP)
+  for name, value in bucket.items():
+    monkeypatch.setenv(name, value)
+  fs = fsspec.filesystem('gs', skip_instance_cache=True)
+  theirs = b'the other run' + fs.cat('data/run1/ckpt-00000002.pt')
+  fs.pipe('data/run1/ckpt-00000004.pt', theirs)
+  os.killpg(process.pid, signal.SIGCONT)
+  code, rest = finish(process)
+  assert_one_error((code, out + rest), 2, rf'^error: --ckpt_dir {ckpt_dir} holds '
+                   r'ckpt-00000004\.pt, which this run did not write: another run writes there '
+                   r'\(nothing of it was replaced\); give each run its own --ckpt_dir$')
+  assert fs.cat('data/run1/ckpt-00000004.pt') == theirs
+  assert sorted(fs.ls('data/run1', refresh=True)) == ['data/run1/ckpt-00000002.pt',
+                                                      'data/run1/ckpt-00000004.pt']
+  assert_nothing_left(session=process.pid)

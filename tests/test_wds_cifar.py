@@ -32,10 +32,10 @@ import supervisor
 import train_wds_cifar
 import train_wds_cifar as wds_cifar
 import utils
-from conftest import (COLOURS, assert_nothing_left, assert_one_error, assert_same_training, finish,
-                      make_cifar_python, make_image_folder, read_json, run_and_signal, run_script,
-                      oversized_image, script_env, seeded_random, start_script, training_losses,
-                      wait_for, write_image)
+from conftest import (COLOURS, assert_nothing_left, assert_one_error, assert_same_training,
+                      closed_port, finish, make_cifar_python, make_image_folder, oversized_image,
+                      read_json, run_and_signal, run_script, script_env, seeded_random,
+                      start_script, training_losses, wait_for, write_image)
 
 
 @pytest.fixture(scope='module')
@@ -206,28 +206,6 @@ def test_writer_stopped_by_ctrl_c_leaves_only_whole_shards(tmp_path):
   result = run_script('make_cifar_shards.py', *args)  # As the line says.
   assert result.returncode == 0, result.stderr
   assert len(list((tmp_path / 'out').glob('c-train-*.tar'))) == 2000
-
-
-@pytest.fixture
-def bucket(tmp_path):
-  """A Cloud Storage emulator on 127.0.0.1 (gcp-storage-emulator, in memory) holding a bucket
-  named data, and the environment through which gcsfs reaches it as it reaches the real one
-  (STORAGE_EMULATOR_HOST; no credentials, google-auth's metadata server at a closed port)."""
-  port, closed = closed_port(), f'127.0.0.1:{closed_port()}'
-  server = subprocess.Popen([sys.executable, '-m', 'gcp_storage_emulator', 'start', '--host',
-                             '127.0.0.1', '--port', str(port), '--in-memory', '--default-bucket',
-                             'data', '--quiet'], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
-  while True:  # Until it listens.
-    assert server.poll() is None, 'the emulator ended'
-    with socket.socket() as probe:
-      if probe.connect_ex(('127.0.0.1', port)) == 0:
-        break
-  yield dict(STORAGE_EMULATOR_HOST=f'http://127.0.0.1:{port}', GOOGLE_APPLICATION_CREDENTIALS='',
-             GCE_METADATA_HOST=closed, GCE_METADATA_IP=closed, NO_GCE_CHECK='true',
-             CLOUDSDK_CONFIG=str(tmp_path))
-  os.killpg(server.pid, signal.SIGTERM)
-  server.wait()
 
 
 def test_shards_written_to_a_bucket_are_read_back_from_it(bucket, tmp_path, monkeypatch):
@@ -913,7 +891,7 @@ def test_a_stalled_evaluation_then_a_resume_on_other_shards_are_each_one_line(sh
   assert_one_error((code, read + output), 2, STALL_ERROR.format(url=url, split='test'))
   assert output.splitlines()[-1].startswith('error: '), output
   assert_nothing_left(session=process.pid)
-  assert sorted(os.listdir(tmp_path / 'ckpt')) == ['ckpt-00000002.pt']
+  assert sorted(os.listdir(tmp_path / 'ckpt')) == ['.lock', 'ckpt-00000002.pt']
   run = run_script('train_wds_cifar.py', *args, '--trainsize', 16, '--wds_testdir',
                    tmp_path / 'bad-test-000000.tar', timeout=300)
   assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
@@ -931,13 +909,6 @@ def test_a_stalled_evaluation_then_a_resume_on_other_shards_are_each_one_line(sh
                    run.stderr, re.M), run.stderr
   assert re.search(r'^Epoch 1 test end \S+, no test sample was read \(see the warnings above\): '
                    r'no accuracy$', run.stdout, re.M), run.stdout
-
-
-def closed_port():
-  """A port on 127.0.0.1 where nothing listens (bound, then closed)."""
-  with socket.socket() as probe:
-    probe.bind(('127.0.0.1', 0))
-    return probe.getsockname()[1]
 
 
 BAD_INPUTS = {
