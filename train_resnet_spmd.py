@@ -208,6 +208,7 @@ def start_run(cfg, num_classes, steps_per_epoch, stop_signal, mesh):
   """Model, optimizer, LR schedule, log, stop vote and results, restored from the newest
   checkpoint if there is one; run.epoch and run.step are where training goes on."""
   device = torch_xla.device()  # One device that stands for the whole mesh.
+  cfg.num_classes = num_classes  # train_step checks the model's output against it.
   # Replicated on every device; every host builds the same weights from the same seed.
   model = build_model(cfg, num_classes)
   model = model.to(device)
@@ -242,7 +243,8 @@ def train_step(model, optimizer, scheduler, images, labels, cfg):
   optimizer.zero_grad()
   # --amp: bfloat16 has float32's range, so no gradient scaler (see docs/tpu.md).
   with torch.autocast('xla', dtype=torch.bfloat16, enabled=cfg.amp):
-    loss = F.cross_entropy(model(utils.normalize(images)), labels)  # The mean over the global batch.
+    output = model(utils.normalize(images))  # The global batch's: the mean is over it.
+    loss = F.cross_entropy(utils.check_scores(output, labels, cfg.num_classes), labels)
   loss.backward()
   # Not xm.optimizer_step: the compiler has already summed the gradients over the mesh.
   optimizer.step()
@@ -342,7 +344,7 @@ def end_epoch(run, epoch, accuracy, counts):
                  eval_samples=counts[1], max_accuracy=max(results['max_accuracy'], accuracy))
   results['compilations_after_epoch'].append(utils.compile_count())
   test_utils.write_to_summary(run.log.writer, epoch, {'Accuracy/test': accuracy})
-  utils.check_learning(results['history'], epoch, run.num_classes, run.cfg.lr,
+  utils.check_learning(run.log, epoch, run.num_classes, run.cfg.lr,
                        recipe(run.cfg)[1]['lr'])
   if run.cfg.metrics_debug:
     xm.master_print(met.metrics_report(), flush=True)

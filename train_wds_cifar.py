@@ -514,6 +514,7 @@ def start_run(cfg, num_classes, steps_per_epoch, stop_signal):
   """Model, optimizer, LR schedule, log, stop vote and results of this replica, restored from
   the newest checkpoint if there is one; run.epoch and run.step are where training goes on."""
   device = torch_xla.device()
+  cfg.num_classes = num_classes  # train_step checks the model's output against it.
   model = build_model(cfg, num_classes).to(device)
   xm.broadcast_master_param(model)  # Every replica starts from the master's weights.
   optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum,
@@ -544,7 +545,8 @@ def train_step(model, optimizer, scheduler, images, labels, cfg):
   optimizer.zero_grad()
   # --amp: bfloat16 has float32's range, so no gradient scaler (see docs/tpu.md).
   with torch.autocast('xla', dtype=torch.bfloat16, enabled=cfg.amp):
-    loss = F.cross_entropy(model(utils.normalize(images, *mean_std(cfg.img_dim))), labels)
+    output = model(utils.normalize(images, *mean_std(cfg.img_dim)))
+    loss = F.cross_entropy(utils.check_scores(output, labels, cfg.num_classes), labels)
   loss.backward()
   xm.optimizer_step(optimizer)  # All-reduces the gradients over every replica, then steps.
   if scheduler is not None:
@@ -639,7 +641,7 @@ def end_epoch(run, epoch, accuracy, counts):
                  eval_samples=counts[1], max_accuracy=max(results['max_accuracy'], accuracy))
   results['compilations_after_epoch'].append(utils.compile_count())
   test_utils.write_to_summary(run.log.writer, epoch, {'Accuracy/test': accuracy})
-  utils.check_learning(results['history'], epoch, run.num_classes, run.cfg.lr,
+  utils.check_learning(run.log, epoch, run.num_classes, run.cfg.lr,
                        recipe(run.cfg)[1]['lr'])
   if run.cfg.metrics_debug:
     xm.master_print(met.metrics_report(), flush=True)

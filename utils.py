@@ -391,6 +391,7 @@ class StepLog:
 
   def __init__(self, device, writer, history):
     self.device, self.writer, self.history = device, writer, history  # history: results'
+    self.restored = len(history)  # Steps of the run a checkpoint held: this run logged the rest.
     self.pending = collections.deque()
     self.thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix='log')
 
@@ -418,7 +419,7 @@ def compile_count():
 
 def new_results(model, **extra):
   """The numbers a run adds up as it goes, which --results_json writes (see docs/scripts.md)."""
-  return dict(dict(model=model, world_size=xr.world_size(), epochs=0, max_accuracy=0.0,
+  return dict(dict(model=model, script=os.path.basename(sys.argv[0]), world_size=xr.world_size(), epochs=0, max_accuracy=0.0,
                    final_accuracy=0.0, eval_correct=0, eval_samples=0, epoch_rates=[],
                    epoch_accuracies=[], compilations_after_epoch=[], train_seconds=0.0, history=[],
                    bf16=os.environ.get('XLA_USE_BF16') == '1'), **extra)  # extra overrides.
@@ -452,10 +453,11 @@ def say_finished(results, target_accuracy):
   return 0
 
 
-def check_learning(history, epoch, num_classes, lr, default_lr):
+def check_learning(log, epoch, num_classes, lr, default_lr):
   """A warning when the loss stayed at chance level (ln of the class count, or above) through
-  the second half of the epoch's logged steps at the default --lr: see docs/adapt.md."""
-  losses = [entry['loss'] for entry in history if entry['epoch'] == epoch]
+  the second half of the epoch's steps that this run logged (log: its StepLog) at the default
+  --lr: see docs/adapt.md."""
+  losses = [entry['loss'] for entry in log.history[log.restored:] if entry['epoch'] == epoch]
   chance = math.log(num_classes)
   if (lr == default_lr and len(losses) >= 4 and num_classes >= 2 and
       min(losses[len(losses) // 2:]) >= 0.95 * chance):
@@ -463,6 +465,18 @@ def check_learning(history, epoch, num_classes, lr, default_lr):
                     f'through epoch {epoch} at the default learning rate {lr:g}: the model is '
                     f'not learning; try a lower --lr (such as {lr / 10:g}), as a model without '
                     'BatchNorm often needs', fd=sys.stderr, flush=True)
+
+
+def check_scores(output, labels, num_classes):
+  """The model's output for a batch, if it is a score for each class: else a UsageError naming
+  its shape and the one expected (a shape is known as the step is traced: no wait)."""
+  expected = (labels.shape[0], num_classes)
+  if tuple(output.shape) != expected:
+    raise UsageError(f'the model returns outputs of shape {tuple(output.shape)} for a batch of '
+                     f'{labels.shape[0]}: expected {expected}, a score for each of the '
+                     f'{num_classes} classes; fix build_model, or the class count build_datasets '
+                     'returns')
+  return output
 
 
 def write_results(path, results):
@@ -628,18 +642,25 @@ def find_checkpoint(resume, ckpt_dir):
   return path, state
 
 
-def check_same_model(model, state, path):
-  """A UsageError naming a weight that differs if the checkpoint is of another model."""
+def check_same_model(model, state, path, flag_values):
+  """A UsageError naming a weight that differs if the checkpoint is of another model, and what
+  differs that makes one: the script, the flags that build it."""
   ours, theirs = ({k: list(v.shape) for k, v in weights.items()}
                   for weights in (model.state_dict(), state['model']))
   differ = sorted(k for k in ours.keys() | theirs.keys() if ours.get(k) != theirs.get(k))
   if differ:
-    first = differ[0]
+    first, script = differ[0], os.path.basename(sys.argv[0])
+    saved = state['results'].get('script', script)
+    flags_then = [f'--{name} {state["flags"][name]} ({flag_values.get(name)} now)'
+                  for name in ('model', 'img_dim', 'num_classes') if name in state['flags']
+                  and state['flags'][name] != flag_values.get(name, state['flags'][name])]
+    how = ((f' by {saved} (this is {script})' if saved != script else '') +
+           (' with ' + ', '.join(flags_then) if flags_then else ''))
     raise UsageError(f'checkpoint {path} was made for another model or number of classes '
                      f'({len(differ)} weight(s) differ, e.g. {first}: '
-                     f'{theirs.get(first, "absent")} there, {ours.get(first, "absent")} here; it '
-                     f'was saved with --model {state["flags"].get("model")}): use the flags of '
-                     'that run, or another --ckpt_dir')
+                     f'{theirs.get(first, "absent")} there, {ours.get(first, "absent")} here' +
+                     (f'; it was saved{how}' if how else '') + '): use the flags of that run, '
+                     'or another --ckpt_dir')
 
 
 def checkpoint_to_resume(resume_path, ckpt_dir, model, flag_values, world_size,
@@ -650,7 +671,7 @@ def checkpoint_to_resume(resume_path, ckpt_dir, model, flag_values, world_size,
   path, state = find_checkpoint(resume_path, ckpt_dir)
   if state is None:
     return None, None
-  check_same_model(model, state, path)
+  check_same_model(model, state, path, flag_values)
   where = f'epoch {state["epoch"]} goes on from step {state["step"]}'
   for name in batch_flags:
     if name in state['flags'] and state['flags'][name] != flag_values.get(name):

@@ -315,32 +315,47 @@ def test_grey_images_are_one_line_naming_the_fix_for_an_rgb_model_and_train_with
   assert len(trained) == 4 and all(np.isfinite(trained)), out
 
 
-def test_kit_alone_ends_a_run_whose_dataset_gives_a_label_outside_its_classes(tmp_path):
-  # On XLA the cross entropy takes label 7 of 3 classes without an error: such a run trained to
-  # exit 0. Every batch's labels are counted in the step's graph, read with the stop vote.
+KIT_MISTAKES = {
+    # On XLA the cross entropy takes label 7 of 3 classes without an error: such a run trained
+    # to exit 0. Every batch's labels are counted in the step's graph, read with the stop vote.
+    'a label outside the classes': (
+        'labels[20] = 7  # In the middle: a check of the first and last samples misses it.',
+        'num_classes',
+        r'^error: label 7 in the batch of epoch 1 step \d is not one of the 3 classes \(labels 0 '
+        r"to 2\): fix the dataset's labels, or the class count build_datasets returns$"),
+    # Scores for 2 classes of 3 trained label 2 silently too; a shape the loss refuses was a
+    # traceback. The shape is known as the step is traced: one line before any compile.
+    'a model with a score too few': (
+        '', 'num_classes - 1',
+        r'^error: the model returns outputs of shape \(8, 2\) for a batch of 8: expected \(8, 3\), '
+        r'a score for each of the 3 classes; fix build_model, or the class count build_datasets '
+        r'returns$'),
+}
+
+
+@pytest.mark.parametrize('mistake', KIT_MISTAKES)
+def test_kit_alone_ends_a_run_whose_labels_or_model_outputs_are_not_the_classes(tmp_path, mistake):
+  label_line, outputs, error = KIT_MISTAKES[mistake]
   project = tmp_path / 'project'
   copy_kit('train_resnet_mp.py', project)
   script = project / 'train_resnet_mp.py'
   source = script.read_text()
   start = source.index('def build_model(')
   end = source.index('\n# ---', start)
-  script.write_text(source[:start] + textwrap.dedent('''\
+  script.write_text(source[:start] + textwrap.dedent(f'''\
       def build_model(cfg, num_classes):  # Small: it compiles in a second.
-        return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 16 * 16, num_classes))
+        return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 16 * 16, {outputs}))
 
 
       def build_datasets(cfg):
         images = torch.rand(48, 3, 16, 16, generator=torch.Generator().manual_seed(0))
         labels = torch.arange(48) % 3
-        labels[20] = 7  # In the middle: a check of the first and last samples misses it.
+        {label_line}
         dataset = torch.utils.data.TensorDataset(images, labels)
         return dataset, dataset, 3
       ''') + source[end:])
   process = start_in(project, 'train_resnet_mp.py', '--model', 'linear', '--batch_size', 8,
                      '--num_epochs', 1, '--log_steps', 1, '--num_workers', 0)
   out, _ = process.communicate(timeout=600)
-  assert_one_error((process.returncode, out), 2, r'^error: label 7 in the batch of epoch 1 step \d '
-                   r"is not one of the 3 classes \(labels 0 to 2\): fix the dataset's labels, or "
-                   r'the class count build_datasets returns$')
+  assert_one_error((process.returncode, out), 2, error)
   assert 'test end' not in out, out
-  assert_nothing_left(session=process.pid)

@@ -155,19 +155,25 @@ def test_checkpoint_of_another_model_is_one_clear_line(reference, data, tmp_path
       result, 2,
       r'checkpoint \S+ckpt-00000016.pt was made for another model or number of classes \(\d+ '
       r'weight\(s\) differ, e\.g\. \S+: absent there, \[\d+(, \d+)*\] here; it was saved with '
-      r'--model resnet18\)')
+      r'--model resnet18 \(resnet34 now\)\)')
   assert (ckpt_dir / 'ckpt-00000016.pt').read_bytes() == before
 
 
-def test_checkpoint_of_a_bigger_model_is_one_clear_line(reference, data, tmp_path):
+def test_checkpoint_of_another_script_names_it_and_the_flag_that_differs(reference, data, tmp_path):
+  # As train_wds_cifar.py saves resnet18 at 32 px: the CIFAR stem (a 3x3 first convolution).
   ckpt_dir = tmp_path / 'ckpt'
   ckpt_dir.mkdir()
   state = torch.load(reference[0] / 'ckpt-00000016.pt', weights_only=True)
+  assert state['results']['script'] == SCRIPT
+  state['results']['script'], state['flags']['img_dim'] = 'train_wds_cifar.py', 32
+  state['model']['conv1.weight'] = torch.zeros(64, 3, 3, 3)
   state['model']['layer5.0.conv1.weight'] = torch.zeros(1)  # As a deeper ResNet would have.
   torch.save(state, ckpt_dir / 'ckpt-00000016.pt')
   result = run_script(SCRIPT, *flags(data, ckpt_dir))
-  assert_one_error(result, 2, r'\(1 weight\(s\) differ, e\.g\. layer5\.0\.conv1\.weight: '
-                              r'\[1\] there, absent here;')
+  assert_one_error(result, 2, r'\(2 weight\(s\) differ, e\.g\. conv1\.weight: \[64, 3, 3, 3\] '
+                              r'there, \[64, 3, 7, 7\] here; it was saved by train_wds_cifar\.py '
+                              r'\(this is train_single_core\.py\) with --img_dim 32 \(24 now\)\): '
+                              r'use the flags of that run, or another --ckpt_dir$')
 
 
 def test_a_stop_as_an_epoch_ends_saves_once_and_after_the_last_epoch_is_the_end(tmp_path):

@@ -12,7 +12,7 @@ from PIL import Image
 
 from conftest import (REPO, assert_one_error, losses, make_image_folder, read_json,
                       readme_command_flags, run_script, script_env, tensorboard_scalars,
-                      write_image)
+                      training_losses, write_image)
 
 SCRIPT = 'train_single_core.py'
 
@@ -152,9 +152,10 @@ def test_a_loss_at_chance_level_all_epoch_names_the_lr_and_goes_on(tmp_path):
   same = {name: (128, 128, 128) for name in ('a', 'b', 'c', 'd')}
   make_image_folder(tmp_path / 'data', 'train', 32, size=16, seed=1, colours=same)
   make_image_folder(tmp_path / 'data', 'val', 2, size=16, seed=2, colours=same)
-  result = run_script(SCRIPT, '--datadir', tmp_path / 'data', '--model', 'resnet18',
-                      '--img_dim', 16, '--batch_size', 8, '--test_set_batch_size', 8,
-                      '--num_epochs', 2, '--num_steps', 8, '--log_steps', 1)
+  args = ['--datadir', tmp_path / 'data', '--model', 'resnet18', '--img_dim', 16, '--batch_size',
+          8, '--test_set_batch_size', 8, '--num_epochs', 2, '--log_steps', 1, '--ckpt_dir',
+          tmp_path / 'ckpt', '--ckpt_every_steps', 6]
+  result = run_script(SCRIPT, *args, '--num_steps', 8)
   assert result.returncode == 0, result.stderr  # A warning, not an end.
   warnings = re.findall(r'^warning: the loss stayed at chance level \(ln 4 = 1\.39\) through '
                         r'epoch (\d) at the default learning rate 0\.1: the model is not '
@@ -164,6 +165,14 @@ def test_a_loss_at_chance_level_all_epoch_names_the_lr_and_goes_on(tmp_path):
   # The default --num_workers (8) is lowered to the CPUs without a line; only a number the
   # user gave is worth one.
   assert 'CPUs this process may use' not in result.stdout, result.stdout
+  # Resumed after step 4 of epoch 2 (global step 12), which has 3 steps now: this run trains
+  # none, so it says nothing of how the model learns (those steps were its checkpoint's run's).
+  (tmp_path / 'ckpt' / 'ckpt-00000016.pt').unlink()
+  result = run_script(SCRIPT, *args, '--num_steps', 3)
+  assert result.returncode == 0, result.stderr
+  assert re.search(r'^warning: the run resumed after step 4 of an epoch that has 3 steps now: it '
+                   r'trains none of them; the epoch ends here$', result.stderr, re.M), result.stderr
+  assert 'chance level' not in result.stderr and not training_losses(result.stdout), result.stderr
 
 
 def test_corrupt_image_names_the_file_in_the_last_line(tmp_path):
