@@ -307,22 +307,31 @@ def _link_in(path, folder):
 
 
 def shard_missing(url):
-  """Whether the shard does not exist; a UsageError if its server or bucket cannot be asked."""
+  """Whether the shard does not exist; a UsageError if its server or bucket cannot be asked, or
+  answers with an error of its own (a 5xx, a 403)."""
   try:
     reach(url, lambda: _info(url))
     return False
   except utils.UsageError:
     raise
   except FileNotFoundError as e:
-    # fsspec's http also says this for a server it cannot reach, with the connection's
-    # error (an OSError) as the cause.
-    if not isinstance(e.__cause__, OSError) or isinstance(e.__cause__, FileNotFoundError):
+    # fsspec's http also says this for an answer other than 404, and for a server it cannot
+    # reach (the cause: the answer, or the connection's error).
+    status = getattr(e.__cause__, 'status', None)
+    if e.__cause__ is None or isinstance(e.__cause__, FileNotFoundError) or status == 404:
       return True
     error = e.__cause__
   except Exception as e:  # A name that does not resolve, a bucket without credentials, ...
     error = e
+  status = getattr(error, 'status', None) or getattr(error, 'code', None)  # aiohttp's, gcsfs's
+  if isinstance(status, int) and 400 <= status < 600:
+    reason = str(getattr(error, 'message', '') or '').split('\n')[0]
+    raise utils.UsageError(
+        f'{url}: the server failed (HTTP {status} {reason}); check that it is up, then run '
+        'again' if status >= 500 else f'{url}: HTTP {status} {reason}: check the URL and that '
+        'this host may read it (credentials, permissions)')
   raise utils.UsageError(f'cannot reach {url} ({type(error).__name__}: {error}): check that '
-                               'the server or bucket is up and the address is right')
+                         'the server or bucket is up and the address is right')
 
 
 def _info(url):
@@ -330,15 +339,36 @@ def _info(url):
   return fs.info(path)
 
 
+MOSTLY_MISSING = 0.1  # More shards of a range missing than this share: the range is wrong.
+PROGRESS_SECONDS = 10  # A long check of the shards says how far it is, this often.
+
+
 def check_shards(flag, pattern, strict):
-  """A UsageError if no shard of the pattern exists (pipe: commands are not checked), or if
-  some do not and strict; else a warning line naming those that will be skipped. Returns the
-  shards found (pipe: commands left out)."""
+  """A UsageError if no shard of the pattern exists (pipe: commands are not checked), or more
+  than MOSTLY_MISSING of them do not (a {first..last} range past the shards), or any does not
+  and strict; else a warning line naming those that will be skipped. A check that takes long
+  (a bucket, a server: a request a shard) says how far it is. Returns the shards found (pipe:
+  commands left out)."""
   urls = list(braceexpand.braceexpand(pattern))
-  missing = [url for url in urls if not url.startswith('pipe:') and shard_missing(url)]
-  if len(missing) == len(urls):
-    raise utils.UsageError(f'--{flag}: no shard found at {pattern} (first: {urls[0]}); check the '
-                                 'path or URL and the {first..last} range')
+  missing, checked, said = [], 0, time.monotonic()
+  for url in (url for url in urls if not url.startswith('pipe:')):
+    if shard_missing(url):
+      missing.append(url)
+    checked += 1
+    if time.monotonic() - said > PROGRESS_SECONDS:
+      print(f'Checking --{flag}: {checked:,} of {len(urls):,} shards ({len(missing):,} missing) '
+            '...', flush=True)
+      said = time.monotonic()
+    if len(missing) > MOSTLY_MISSING * len(urls) and checked < len(urls):
+      break  # Said below, without asking for the rest.
+  among = f' among the first {checked:,} of {len(urls):,}' if checked < len(urls) else ''
+  if missing and len(missing) == checked:
+    raise utils.UsageError(f'--{flag}: no shard found at {pattern}{among} (first: {urls[0]}); '
+                           'check the path or URL and the {first..last} range')
+  if len(missing) > MOSTLY_MISSING * len(urls):
+    raise utils.UsageError(
+        f'--{flag}: {len(missing):,} shards do not exist{among or f" of {len(urls):,}"} (e.g. '
+        f'{missing[0]}): check the {{first..last}} range of {pattern}')
   if missing:
     message = f'--{flag}: {len(missing)} of {len(urls)} shards do not exist, e.g. {missing[0]}'
     if strict:

@@ -56,9 +56,9 @@ flags.DEFINE_integer('testsize', None, 'Test samples in the shards (all of them)
                      'warning if the test shards hold another number.', lower_bound=1)
 flags.DEFINE_integer('shuffle_buffer', 10000, 'Samples each loader worker shuffles.', lower_bound=1)
 flags.DEFINE_bool('fail_on_bad_data', False, 'Stop at a bad shard or sample instead of skipping it.')
-flags.DEFINE_float('read_timeout', 20, 'Seconds a remote shard\'s read may go without a byte before '
-                   'it is tried again (3 tries, each of gcsfs\'s 6 for gs://; a server that fails '
-                   '2 shards in a row ends the run).', lower_bound=0.1)
+flags.DEFINE_float('read_timeout', 20, 'Seconds in which each 4 MiB of a remote shard must arrive '
+                   '(a server that stops or trickles fails the read; 3 tries; a server that fails '
+                   '2 shards in a row ends the run: see docs/scripts.md).', lower_bound=0.1)
 flags.DEFINE_string('model', 'resnet18', 'A torchvision ResNet (resnet18, resnet50, resnext50_32x4d, '
                     'wide_resnet50_2, ...), given the CIFAR stem, or a name build_model knows.')
 flags.DEFINE_integer('num_classes', None, 'Number of classes (labels 0..N-1). Unset: the lines of '
@@ -127,6 +127,7 @@ if (__name__ == '__main__' and 'IPython' not in sys.modules and
 import aiohttp
 import braceexpand
 import fsspec
+import fsspec.asyn
 import fsspec.implementations.local
 import numpy as np
 import requests
@@ -834,8 +835,9 @@ def run(argv):
 # server, a bucket or a pipe, on deadlines and tried again where a server fails, and the tar
 # reader. The pipeline reaches it through read_samples, which hands every failure to one
 # callable (BadData, above). The file then ends, as every script does, with its entry point.
-READ_TIMEOUT = 20  # --read_timeout's default: seconds without a byte from a remote shard
-READ_TRIES = 3  # of such a read, or one whose connection is refused or dropped (see RetriedReads)
+READ_TIMEOUT = 20  # --read_timeout's default: the seconds in which a piece must arrive, ...
+READ_PIECE = 4 << 20  # ... a piece being 4 MiB of a remote shard (or its rest)
+READ_TRIES = 3  # of a read that fails for the server's sake (see RetriedReads)
 DOWN_AFTER = 2  # shards in a row that their server failed: it is down, and the run ends
 ZERO_BLOCK = bytes(tarfile.BLOCKSIZE)  # Two end a tar.
 KEY_AND_EXTENSION = re.compile(r'^((?:.*/|)[^.]+)[.]([^/]*)$')  # webdataset's
@@ -870,12 +872,13 @@ def read_samples(urls, on_bad, num_classes, read_timeout=READ_TIMEOUT):
       failed = failed + [url] if server else []
       if len(failed) == DOWN_AFTER:
         raise utils.BadDataError(
-            f'{e.server} does not answer: {e.reason}, {READ_TRIES} tries each, for shard '
-            f'{failed[0]} and then {url}; check that it is up and that this host '
-            f'({socket.gethostname()}) reaches it, then run the same command again (with '
-            '--ckpt_dir it resumes from the last checkpoint)') from None
+            f'{e.server} failed: {e.reason}, {e.tries} each, for shard {failed[0]} and then '
+            f'{url}; check that it is up and that this host ({socket.gethostname()}) reaches '
+            'it, then run the same command again (with --ckpt_dir it resumes from the last '
+            'checkpoint)') from None
       on_bad(BadShard(f'shard {url} is missing' if kind == 'missing' else
-                      f'shard {url} cannot be read: {e.reason} ({READ_TRIES} tries)' if server else
+                      f'shard {url} cannot be read: {e.reason} ({e.tries})' if server else
+                      f'shard {url} cannot be read: {http_answer(e)}' if http_status(e) else
                       f'shard {url} cannot be read to the end ({type(e).__name__}: '
                       f'{e.args[0] if e.args else e})'))
 
@@ -910,50 +913,67 @@ def shard_samples(url, on_bad, num_classes, read_timeout):
 
 
 def open_shard(url, read_timeout=READ_TIMEOUT):
-  """A shard to read from start to end: a local file as it is; a remote one read in 4 MB
-  pieces (TarFiles reads a header, a file, its padding at a time: unbuffered, a request each,
-  about 12,000 for a shard of ImageNet), over http(s) as one stream (a server may not answer
-  range requests), a read that stalls for read_timeout s or loses its connection tried again
-  (see RetriedReads)."""
-  fs, path = fsspec.core.url_to_fs(url, **stall_limit(url, read_timeout))
+  """A shard to read from start to end: a local file as it is; a remote one read in pieces of
+  READ_PIECE, each within read_timeout s, so that a server that stops or trickles fails the
+  read, and read again where a server fails (see RetriedReads). Over http(s) one stream (a
+  server may not answer range requests); from gs://, a request for each piece."""
+  fs, path = fsspec.core.url_to_fs(url, **deadlines(url, read_timeout))
   if isinstance(fs, fsspec.implementations.local.LocalFileSystem):
     return open(path, 'rb')  # Python's own: fsspec's wrapper adds a call to every read.
-  # Over http(s) a stream; its size given (unknown) spares a HEAD request before each GET.
-  options = dict(block_size=0, size=-1) if url.startswith(('http:', 'https:')) else {}
-  return io.BufferedReader(RetriedReads(lambda: fs.open(path, 'rb', **options), url,
-                                        read_timeout), 4 << 20)
+  if url.startswith(('http:', 'https:')):  # fsspec's async stream: each read, on a deadline.
+    # Its size given (unknown) spares a HEAD request before each GET, made by the first read.
+    def open_stream():
+      return fsspec.asyn.sync(fs.loop, fs.open_async, path, 'rb', size=-1)
+  else:  # gcsfs: each read a request of its own, on its deadline
+    def open_stream():
+      return fs.open(path, 'rb', cache_type='none')
+  return io.BufferedReader(RetriedReads(open_stream, url, read_timeout), READ_PIECE)
 
 
-def stall_limit(url, seconds):
-  """The file system options that make a read with no byte for `seconds` fail, where the
-  library has them: aiohttp's socket timeouts, which http(s) and gs:// read through (gcsfs
-  then tries a read 6 times itself). Other fsspec URLs keep their library's limits."""
-  timeout = aiohttp.ClientTimeout(total=None, sock_connect=seconds, sock_read=seconds)
+def deadlines(url, seconds):
+  """The file system options that give each request a deadline, where the library has them
+  (aiohttp's timeouts, through which http(s) and gs:// read). http(s): seconds to connect and
+  to each byte of the answer's start; RetriedReads times each piece of its stream. gs://:
+  seconds for each whole request (a piece, or a file's size), which gcsfs does not try again
+  (it tries a refused or dropped connection and a 5xx answer 6 times itself). Other fsspec
+  URLs keep their library's limits."""
   protocol = fsspec.utils.get_protocol(url)
   if protocol in ('http', 'https'):
-    return dict(client_kwargs=dict(timeout=timeout))
+    return dict(client_kwargs=dict(timeout=aiohttp.ClientTimeout(
+        total=None, sock_connect=seconds, sock_read=seconds)))
   if protocol in ('gs', 'gcs'):
-    return dict(requests_timeout=timeout)
+    return dict(requests_timeout=aiohttp.ClientTimeout(total=seconds))
   return {}
 
 
-class ServerFailed(Exception):
-  """A remote shard whose server did not answer, or dropped the connection, READ_TRIES times."""
+def server_of(url):
+  """Who serves url, for a line: the host of http(s), Cloud Storage's for gs:// (the
+  emulator's, with STORAGE_EMULATOR_HOST), else the URL's first part."""
+  if fsspec.utils.get_protocol(url) in ('gs', 'gcs'):
+    return os.environ.get('STORAGE_EMULATOR_HOST', 'storage.googleapis.com').split('//')[-1]
+  return url.split('/')[2]
 
-  def __init__(self, server, reason):
-    super().__init__(f'{server}: {reason}')
-    self.server, self.reason = server, reason
+
+class ServerFailed(Exception):
+  """A remote shard whose server failed the read in every try (see RetriedReads)."""
+
+  def __init__(self, server, reason, tries):
+    super().__init__(f'{server}: {reason} ({tries})')
+    self.server, self.reason, self.tries = server, reason, tries
 
 
 class RetriedReads(io.RawIOBase):
-  """A remote shard's bytes, opened again and read on from where they stopped when a read
-  fails for the server's sake (no byte within the stall limit, a connection refused or
-  dropped, a 5xx answer): READ_TRIES tries, 1 s and then 2 s apart, then ServerFailed. A
-  stream that cannot seek (http) is read again up to that point."""
+  """A remote shard's bytes, a piece (READ_PIECE) at a time within read_timeout s, opened again
+  and read on from where they stopped when a read fails for the server's sake (too slow or
+  silent, a connection refused or dropped, a 5xx answer): READ_TRIES tries, 1 s and then 2 s
+  apart, then ServerFailed. gs://: gcsfs has tried all but a deadline 6 times, so only that
+  is tried here. A stream that cannot seek (http) is read again up to that point."""
 
   def __init__(self, open_stream, url, read_timeout):
     self.open_stream, self.url, self.read_timeout = open_stream, url, read_timeout
     self.stream, self.position = None, 0
+    self.gcs = fsspec.utils.get_protocol(url) in ('gs', 'gcs')
+    self.http = url.startswith(('http:', 'https:'))
 
   def readable(self):
     return True
@@ -963,7 +983,7 @@ class RetriedReads(io.RawIOBase):
       try:
         if self.stream is None:
           self.stream = self.reopened()
-        data = self.stream.read(len(buffer))
+        data = self.piece(min(len(buffer), READ_PIECE))
         break
       except Exception as e:
         self.close_stream()
@@ -971,37 +991,62 @@ class RetriedReads(io.RawIOBase):
           raise
         if isinstance(e, FileNotFoundError):
           e = e.__cause__  # fsspec's http says so of a file it could not ask about.
-        if attempt + 1 == READ_TRIES:
-          raise ServerFailed(self.url.split('/')[2], self.describe(e)) from None
+        late = isinstance(e, (TimeoutError, asyncio.TimeoutError))
+        if attempt + 1 == READ_TRIES or (self.gcs and not late):
+          tries = f'{READ_TRIES} tries' if late or not self.gcs else "gcsfs's 6 tries"
+          raise ServerFailed(server_of(self.url), self.describe(e), tries) from None
         time.sleep(2**attempt)
     buffer[:len(data)] = data
     self.position += len(data)
     return len(data)
 
+  def piece(self, size):
+    """size bytes, fewer only where the shard ends, within read_timeout s. An http stream's
+    read gives what has come (a trickle: a byte), so it is read until the piece is whole,
+    its first read (the request, the answer's start) within the deadline too."""
+    if not self.http:
+      return self.stream.read(size)  # gs://: one request, on its deadline (see deadlines).
+    data, deadline = bytearray(), time.monotonic() + self.read_timeout
+    while len(data) < size:
+      left = deadline - time.monotonic()
+      if left <= 0:
+        raise TimeoutError(f'less than {size} bytes in {self.read_timeout:g} s')
+      more = fsspec.asyn.sync(self.stream.fs.loop, self.stream.read, size - len(data),
+                              timeout=left)
+      if not more:
+        break
+      data += more
+    return bytes(data)
+
   def reopened(self):
-    stream = self.open_stream()
-    with contextlib.suppress(ValueError, io.UnsupportedOperation):  # An http stream's seek.
-      stream.seek(self.position)
-      return stream
+    self.stream = self.open_stream()
+    if not self.http:
+      self.stream.seek(self.position)
+      return self.stream
     left = self.position
-    while left:  # Each read within the stall limit too.
-      read = len(stream.read(min(left, 4 << 20)))
+    while left:  # A stream cannot seek: read up to there again, each piece on its deadline.
+      read = len(self.piece(min(left, READ_PIECE)))
       if not read:
         raise EOFError(f'the shard is shorter than before ({self.position - left} bytes)')
       left -= read
-    return stream
+    return self.stream
 
   def describe(self, error):
     if isinstance(error, (TimeoutError, asyncio.TimeoutError)):
-      return f'no byte for {self.read_timeout:g} s'
+      return f'less than {READ_PIECE >> 20} MiB in {self.read_timeout:g} s'
     if isinstance(error, (ConnectionRefusedError, aiohttp.ClientConnectorError)):
       return 'the server refuses connections'
+    if http_status(error):
+      return http_answer(error)
     return f'the server failed the read ({type(error).__name__}: {error})'
 
   def close_stream(self):
     if self.stream is not None:
       with contextlib.suppress(Exception):
-        self.stream.close()
+        if self.http:  # Its answer's connection, at once.
+          fsspec.asyn.sync(self.stream.fs.loop, self.stream.close, timeout=self.read_timeout)
+        else:
+          self.stream.close()
       self.stream = None
 
   def close(self):
@@ -1031,8 +1076,14 @@ def failure(error):
 
 def http_status(error):
   """The HTTP status of an answer that a file system raised (aiohttp's, gcsfs's), or None."""
-  status = getattr(error, 'status', getattr(error, 'code', None))
+  status = getattr(error, 'status', None) or getattr(error, 'code', None)
   return status if isinstance(status, int) and 400 <= status < 600 else None
+
+
+def http_answer(error):
+  """'HTTP 403 Forbidden': an answer that a file system raised, in a line's words."""
+  reason = getattr(error, 'message', None) or ''
+  return f'HTTP {http_status(error)} {str(reason).splitlines()[0] if reason else ""}'.strip()
 
 
 class TarFiles:

@@ -4,6 +4,7 @@ exit codes; the data (the split across replicas, seeded samples, loaders, normal
 device); the log and results; checkpoints; the stop every replica agrees on. It reads no FLAGS:
 a copied script needs it and nothing else (supervisor.py, command.py: optional)."""
 
+import asyncio
 import collections
 import concurrent.futures
 import contextlib
@@ -51,6 +52,9 @@ EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped by SIGTERM (SIGHUP) after a checkpoi
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a Ctrl-C.
 # The user's SIGINT in the lines about it: a notebook's run() says "Interrupt", after its button.
 INTERRUPT = os.environ.get('INTERRUPT_NAME', 'Ctrl-C')
+# Seconds a request to a bucket may take (a part of a checkpoint: gcsfs's upload chunk, at most
+# 50 MiB, or a block read): 120, at least 0.4 MiB/s; the tests give a few (see url_fs).
+BUCKET_SECONDS = float(os.environ.get('BUCKET_TIMEOUT', 120))
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)  # of pixels 0 to 1
 # Flags that decide an epoch's batches: a resume with another value warns (checkpoint_to_resume).
 BATCH_FLAGS = ('datadir', 'fake_data', 'batch_size', 'seed', 'num_steps', 'img_dim', 'drop_last')
@@ -69,6 +73,14 @@ class BadDataError(Exception):
   def __str__(self):
     # Raised in a DataLoader worker, it comes back inside the worker's traceback.
     return super().__str__().strip().splitlines()[-1].split('BadDataError: ')[-1]
+
+
+class BucketTimeout(UsageError):
+  """A bucket that did not answer a request within BUCKET_SECONDS (see url_fs)."""
+
+  def __str__(self):
+    return (f'{self.args[0]}: a request to the bucket took over {BUCKET_SECONDS:g} s; check the '
+            'network, then run the same command again')
 
 
 class Diverged(Exception):
@@ -108,6 +120,10 @@ def parse_flags(argv, elsewhere=None):
     die(f'--{e.flagname}: {elsewhere[e.flagname]}' if known else f'{e} (see --helpshort)')
   if len(rest) > 1:
     die(f'unexpected arguments {rest[1:]}: every option is a --flag (see --helpshort)')
+  for name in flags.FLAGS:  # absl takes nan and inf for a float, and nan passes any bound.
+    value = flags.FLAGS[name].value
+    if isinstance(value, float) and not math.isfinite(value):
+      die(f'--{name} {value}: give a finite number (see --helpshort)')
   return rest
 
 
@@ -419,9 +435,10 @@ def compile_count():
 
 def new_results(model, **extra):
   """The numbers a run adds up as it goes, which --results_json writes (see docs/scripts.md)."""
-  return dict(dict(model=model, script=os.path.basename(sys.argv[0]), world_size=xr.world_size(), epochs=0, max_accuracy=0.0,
-                   final_accuracy=0.0, eval_correct=0, eval_samples=0, epoch_rates=[],
-                   epoch_accuracies=[], compilations_after_epoch=[], train_seconds=0.0, history=[],
+  return dict(dict(model=model, script=os.path.basename(sys.argv[0]), world_size=xr.world_size(),
+                   epochs=0, max_accuracy=0.0, final_accuracy=0.0, eval_correct=0,
+                   eval_samples=0, epoch_rates=[], epoch_accuracies=[],
+                   compilations_after_epoch=[], train_seconds=0.0, history=[],
                    bf16=os.environ.get('XLA_USE_BF16') == '1'), **extra)  # extra overrides.
 
 
@@ -484,14 +501,26 @@ def write_results(path, results):
   if path:
     try:
       write_atomically(json.dumps(results, indent=2).encode() + b'\n', path)
+    except asyncio.TimeoutError:
+      raise BucketTimeout(f'cannot write --results_json {path}') from None
     except OSError as e:
       raise UsageError(f'cannot write --results_json {path} ({e})') from None
+
+
+def url_fs(url):
+  """(file system, path) of an output's URL. A bucket's (gs://) requests each have
+  BUCKET_SECONDS (aiohttp's total timeout), which gcsfs does not try again: a stalled or
+  trickling bucket is an error in minutes, not a hang. Other URLs keep their library's."""
+  if fsspec.utils.get_protocol(url) not in ('gs', 'gcs'):
+    return fsspec.core.url_to_fs(url)
+  import aiohttp  # gcsfs's own: only for a bucket
+  return fsspec.core.url_to_fs(url, requests_timeout=aiohttp.ClientTimeout(total=BUCKET_SECONDS))
 
 
 def write_atomically(data, url):
   """Writes bytes that no reader sees half-written: a local file under a temporary name, then
   renamed; to a bucket in one upload, with no rename (see docs/checkpoints.md)."""
-  fs, path = fsspec.core.url_to_fs(url)
+  fs, path = url_fs(url)
   if not isinstance(fs, fsspec.implementations.local.LocalFileSystem):
     fs.pipe_file(path, data)
     return
@@ -551,8 +580,12 @@ def claim_folder(ckpt_dir, hold=True):
 
 def list_checkpoints(ckpt_dir):
   """{global_step: path} of the checkpoints in ckpt_dir."""
-  fs, path = fsspec.core.url_to_fs(ckpt_dir)
-  names = [name.rsplit('/', 1)[-1] for name in fs.ls(path, detail=False)] if fs.exists(path) else []
+  fs, path = url_fs(ckpt_dir)
+  try:
+    names = [name.rsplit('/', 1)[-1] for name in fs.ls(path, detail=False)
+             ] if fs.exists(path) else []
+  except asyncio.TimeoutError:
+    raise BucketTimeout(f'cannot list --ckpt_dir {ckpt_dir}') from None
   return {int(m.group(1)): f'{ckpt_dir.rstrip("/")}/{m.group(0)}'
           for m in map(re.compile(r'^ckpt-(\d+)\.pt$').match, names) if m}
 
@@ -579,6 +612,9 @@ def write_checkpoint(state, ckpt_dir, keep, best):
       write_atomically(buffer.getvalue(), path)
       if best:
         write_atomically(buffer.getvalue(), f'{ckpt_dir.rstrip("/")}/best.pt')
+    except asyncio.TimeoutError:  # (An OSError too, from Python 3.11 on.)
+      raise BucketTimeout(f'cannot write checkpoint {path} (the checkpoints already there are '
+                          'kept)') from None
     except OSError as e:  # A full disk or quota, a lost permission.
       raise UsageError(f'cannot write checkpoint {path} ({e}): free space in --ckpt_dir or '
                        'give another; the checkpoints already there are kept') from None
@@ -586,7 +622,10 @@ def write_checkpoint(state, ckpt_dir, keep, best):
     kept = sorted(step for step in ours if step <= state['global_step'])[-keep:]
     for step in sorted(ours - set(kept)):
       if step in saved:
-        fsspec.core.url_to_fs(saved[step])[0].rm(fsspec.core.url_to_fs(saved[step])[1])
+        try:
+          url_fs(saved[step])[0].rm(url_fs(saved[step])[1])
+        except asyncio.TimeoutError:
+          raise BucketTimeout(f'cannot remove the old checkpoint {saved[step]}') from None
       ours.discard(step)
     print(f'Saved checkpoint {path}', flush=True)
   if xr.world_size() > 1:
@@ -596,8 +635,9 @@ def write_checkpoint(state, ckpt_dir, keep, best):
 
 def load_checkpoint(path):
   """The checkpoint at path with CPU tensors (weights_only: other objects could run code)."""
+  fs, where = url_fs(path)
   try:
-    with fsspec.open(path, 'rb') as f:
+    with fs.open(where, 'rb') as f:
       # torch.save writes a zip archive; random or truncated bytes could look like a pickle.
       if not zipfile.is_zipfile(f):
         raise EOFError('not the whole zip archive that torch.save writes')
@@ -606,6 +646,8 @@ def load_checkpoint(path):
   except pickle.UnpicklingError:
     raise UsageError(f'checkpoint {path} holds objects other than tensors and plain '
                      'values; refused, since loading it could run code') from None
+  except asyncio.TimeoutError:  # Not the file's fault: the one before it would fare no better.
+    raise BucketTimeout(f'cannot read checkpoint {path}') from None
   except Exception as e:  # Truncated or corrupt: EOFError, RuntimeError, ...
     reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     raise UsageError(f'checkpoint {path} cannot be read: it is not a whole, readable '
@@ -634,6 +676,8 @@ def find_checkpoint(resume, ckpt_dir):
       try:
         path, state = found, load_checkpoint(found)
         break
+      except BucketTimeout:
+        raise
       except UsageError as e:
         print(f'warning: {e}; trying the previous one', file=sys.stderr, flush=True)
   if xr.world_size() > 1:

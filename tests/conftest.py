@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: BSD-3-Clause
 """Helpers for the end-to-end tests: run a script as a user would, make image folders."""
 
+import contextlib
 import ctypes
 import errno
 import json
@@ -13,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -350,3 +352,37 @@ def bucket(tmp_path):
              CLOUDSDK_CONFIG=str(tmp_path))
   os.killpg(server.pid, signal.SIGTERM)
   server.wait()
+
+
+class SlowLink:
+  """A TCP proxy on 127.0.0.1 to a server's port, whose answers pass, or trickle (a byte every
+  `every` s) once `trickle` is set: a slow or half-dead link in front of a real server."""
+
+  def __init__(self, port, every=0.2):
+    self.target, self.every, self.trickle = port, every, False
+    self.listener = socket.create_server(('127.0.0.1', 0))
+    self.port = self.listener.getsockname()[1]
+    threading.Thread(target=self._accept, daemon=True).start()
+
+  def _accept(self):
+    while True:
+      client, _ = self.listener.accept()
+      server = socket.create_connection(('127.0.0.1', self.target))
+      threading.Thread(target=self._pass, args=(client, server, False), daemon=True).start()
+      threading.Thread(target=self._pass, args=(server, client, True), daemon=True).start()
+
+  def _pass(self, source, sink, answers):
+    try:
+      while data := source.recv(65536):
+        if answers and self.trickle:
+          for byte in data:
+            sink.sendall(bytes([byte]))
+            time.sleep(self.every)
+        else:
+          sink.sendall(data)
+    except OSError:
+      pass  # The other side gave up.
+    finally:
+      for end in (source, sink):
+        with contextlib.suppress(OSError):
+          end.shutdown(socket.SHUT_RDWR)

@@ -6,6 +6,7 @@ of writing a checkpoint, and restarted each time with the same command; it must 
 weights bitwise equal to a run that was never interrupted.
 """
 
+import asyncio
 import os
 import pickle
 import re
@@ -16,9 +17,11 @@ import fsspec
 import pytest
 import torch
 
-from conftest import (assert_nothing_left, assert_one_error, assert_same_training, finish,
-                      kill_during_save, make_image_folder, read_json, run_and_signal, run_script,
-                      script_env, seeded_random, start_script, training_losses, wait_for)
+import utils
+from conftest import (SlowLink, assert_nothing_left, assert_one_error, assert_same_training,
+                      finish, kill_during_save, make_image_folder, read_json, run_and_signal,
+                      run_script, script_env, seeded_random, start_script, training_losses,
+                      wait_for)
 
 SCRIPT = 'train_single_core.py'
 EPOCHS, STEPS = 2, 8  # 16 steps in all
@@ -249,3 +252,38 @@ def test_a_second_run_on_a_bucket_is_refused_before_it_replaces_a_checkpoint(buc
   assert sorted(fs.ls('data/run1', refresh=True)) == ['data/run1/ckpt-00000002.pt',
                                                       'data/run1/ckpt-00000004.pt']
   assert_nothing_left(session=process.pid)
+
+
+def test_a_save_to_a_bucket_that_trickles_ends_in_one_line_and_keeps_the_last_checkpoint(
+    bucket, monkeypatch):
+  # Cloud Storage's emulator behind a link that starts to trickle (a byte every 0.2 s) after the
+  # first save: each request to the bucket has BUCKET_TIMEOUT (here 2 s), so the next save ends
+  # the run in seconds, and the checkpoint before it stays the newest, whole.
+  link = SlowLink(int(bucket['STORAGE_EMULATOR_HOST'].rsplit(':', 1)[1]))
+  slow = {**bucket, 'STORAGE_EMULATOR_HOST': f'http://127.0.0.1:{link.port}'}
+  args = ['--fake_data', '--model', 'resnet18', '--img_dim', 16, '--batch_size', 4,
+          '--test_set_batch_size', 4, '--num_steps', 6, '--log_steps', 1, '--num_epochs', 1,
+          '--ckpt_dir', 'gs://data/run1', '--ckpt_every_steps', 2]
+  process = start_script(SCRIPT, *args, env=script_env(BUCKET_TIMEOUT='2', **slow))
+  out = wait_for(process, r'^Saved checkpoint gs://data/run1/ckpt-00000002\.pt$')
+  link.trickle = True
+  code, rest = finish(process)
+  # (The save lists the folder first: that request is the one that misses its deadline.)
+  assert_one_error((code, out + rest), 2, r'^error: cannot list --ckpt_dir gs://data/run1: a '
+                   r'request to the bucket took over 2 s; check the network, then run the same '
+                   r'command again$')
+  assert_nothing_left(session=process.pid)
+  for name, value in bucket.items():  # Straight to the emulator.
+    monkeypatch.setenv(name, value)
+  fs = fsspec.filesystem('gs', skip_instance_cache=True)
+  assert fs.ls('data/run1', refresh=True) == ['data/run1/ckpt-00000002.pt']
+  # An upload and a download have the same limit, through the trickle.
+  monkeypatch.setenv('STORAGE_EMULATOR_HOST', slow['STORAGE_EMULATOR_HOST'])
+  monkeypatch.setattr(utils, 'BUCKET_SECONDS', 1)
+  fsspec.filesystem('gs').clear_instance_cache()
+  with pytest.raises(asyncio.TimeoutError):
+    utils.write_atomically(b'1' * 1000, 'gs://data/run1/ckpt-00000004.pt')
+  with pytest.raises(utils.BucketTimeout, match=r'^cannot read checkpoint gs://data/run1/'
+                     r'ckpt-00000002\.pt: a request to the bucket took over 1 s; '):
+    utils.load_checkpoint('gs://data/run1/ckpt-00000002.pt')
+  fsspec.filesystem('gs').clear_instance_cache()

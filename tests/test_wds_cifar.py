@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tarfile
 import threading
+import time
 from types import SimpleNamespace
 
 import braceexpand
@@ -35,7 +36,7 @@ import utils
 from conftest import (COLOURS, assert_nothing_left, assert_one_error, assert_same_training,
                       closed_port, finish, make_cifar_python, make_image_folder, oversized_image,
                       read_json, run_and_signal, run_script, script_env, seeded_random,
-                      start_script, training_losses, wait_for, write_image)
+                      SlowLink, start_script, training_losses, wait_for, write_image)
 
 
 @pytest.fixture(scope='module')
@@ -697,6 +698,39 @@ def test_reads_shards_over_http(http_shards, shards):
   assert all((a == b).all() and l == m for (a, l), (b, m) in zip(local, remote, strict=True))
 
 
+class StatusHandler(QuietHandler):
+  """Answers /CODE/... with that HTTP status: a server that fails (5xx) or refuses (403)."""
+
+  def send_head(self):
+    self.send_error(int(self.path.split('/')[1]))
+
+
+def test_a_server_that_fails_or_forbids_is_said_so_at_start_and_mid_run(capsys, monkeypatch):
+  server = QuietServer(('127.0.0.1', 0), StatusHandler)
+  threading.Thread(target=server.serve_forever, daemon=True).start()
+  url = f'http://127.0.0.1:{server.server_port}'
+  # At start: not "no shard found", nor "do not exist".
+  with pytest.raises(utils.UsageError, match=rf'^{url}/500/s-000\.tar: the server failed \(HTTP '
+                     r'500 Internal Server Error\); check that it is up, then run again$'):
+    supervisor.check_shards('wds_traindir', f'{url}/500/s-{{000..009}}.tar', strict=False)
+  with pytest.raises(utils.UsageError, match=rf'^{url}/403/s-000\.tar: HTTP 403 Forbidden: check '
+                     r'the URL and that this host may read it \(credentials, permissions\)$'):
+    supervisor.check_shards('wds_testdir', f'{url}/403/s-{{000..009}}.tar', strict=False)
+  # Mid-run: a shard refused is a bad shard, said in one short line (no request headers).
+  skipped = []
+  assert not list(wds_cifar.read_samples([f'{url}/403/s-000.tar'], skipped.append, 10))
+  assert [str(e) for e in skipped] == [f'shard {url}/403/s-000.tar cannot be read: HTTP 403 '
+                                       'Forbidden']
+  # A long check says how far it is (here at every shard).
+  monkeypatch.setattr(supervisor, 'PROGRESS_SECONDS', 0)
+  capsys.readouterr()
+  with pytest.raises(utils.UsageError, match='no shard found'):
+    supervisor.check_shards('wds_traindir', f'{url}/404/s-{{000..001}}.tar', strict=False)
+  assert re.findall(r'^Checking --wds_traindir: (\d) of 2 shards \(\d missing\) \.\.\.$',
+                    capsys.readouterr().out, re.M) == ['1']
+  server.shutdown()
+
+
 class DroppingHandler(QuietHandler):
   """Sends the first 40 KB of each file's first request, then drops the connection (a reset
   or a proxy that gives up), and whole files after that."""
@@ -724,6 +758,58 @@ def test_a_read_whose_connection_drops_goes_on_where_it_stopped(shards, capsys):
   assert capsys.readouterr().err == ''
 
 
+class TricklingHandler(QuietHandler):
+  """Answers at once, then sends each file a byte every 0.2 s: a half-dead link that never
+  goes quiet for as long as a stall limit."""
+
+  def copyfile(self, source, outputfile):
+    while byte := source.read(1):
+      outputfile.write(byte)
+      outputfile.flush()
+      time.sleep(0.2)
+
+
+def test_a_server_that_trickles_fails_each_piece_at_its_deadline(shards):
+  # Each MiB must come within --read_timeout (here 0.5 s): at a byte every 0.2 s no read ever
+  # waits that long for a byte, and the shard would take 30 hours. 3 tries a shard, 2 shards.
+  server = QuietServer(('127.0.0.1', 0), functools.partial(TricklingHandler,
+                                                          directory=str(shards / 'shards')))
+  threading.Thread(target=server.serve_forever, daemon=True).start()
+  urls = [f'http://127.0.0.1:{server.server_port}/cifar-test-{i:06d}.tar' for i in range(2)]
+  skipped = []
+  with pytest.raises(utils.BadDataError) as failed:
+    list(wds_cifar.read_samples(urls, skipped.append, 10, read_timeout=0.5))
+  server.shutdown()
+  assert [str(e) for e in skipped] == [f'shard {urls[0]} cannot be read: less than 4 MiB in 0.5 '
+                                       's (3 tries)']
+  assert re.fullmatch(rf'127\.0\.0\.1:{server.server_port} failed: less than 4 MiB in 0\.5 s, 3 '
+                      rf'tries each, for shard {urls[0]} and then {urls[1]}; check that it is up '
+                      r'.*', str(failed.value)), failed.value
+
+
+def test_a_bucket_that_trickles_is_named_by_its_host_and_tried_by_gcsfs_alone(bucket, monkeypatch):
+  # Cloud Storage's emulator behind a link that trickles: each request (a MiB, or a file's
+  # size) has --read_timeout (1 s), which gcsfs does not try again: the script tries it 3 times.
+  # The line names the server, not the bucket.
+  link = SlowLink(int(bucket['STORAGE_EMULATOR_HOST'].rsplit(':', 1)[1]))
+  for name, value in {**bucket, 'STORAGE_EMULATOR_HOST': f'http://127.0.0.1:{link.port}'}.items():
+    monkeypatch.setenv(name, value)
+  fsspec.filesystem('gs').clear_instance_cache()
+  fs = fsspec.filesystem('gs', skip_instance_cache=True)
+  urls = ['gs://data/shards/a.tar', 'gs://data/shards/b.tar']
+  for url in urls:
+    fs.pipe(url[5:], b'\0' * 20480)
+  link.trickle = True
+  skipped = []
+  with pytest.raises(utils.BadDataError) as failed:
+    list(wds_cifar.read_samples(urls, skipped.append, 10, read_timeout=1))
+  assert [str(e) for e in skipped] == [f'shard {urls[0]} cannot be read: less than 4 MiB in 1 s '
+                                       '(3 tries)']
+  fsspec.filesystem('gs').clear_instance_cache()
+  assert re.fullmatch(rf'127\.0\.0\.1:{link.port} failed: less than 4 MiB in 1 s, 3 tries each, '
+                      rf'for shard {urls[0]} and then {urls[1]}; .*', str(failed.value)), failed.value
+
+
 @contextlib.contextmanager
 def server_process(folder):
   """python -m http.server serving folder on 127.0.0.1, in a session of its own: a process
@@ -738,7 +824,7 @@ def server_process(folder):
     server.wait()
 
 
-STALL_ERROR = (r'^error: (replica 0: )?127\.0\.0\.1:\d+ does not answer: no byte for 2 s, 3 tries '
+STALL_ERROR = (r'^error: (replica 0: )?127\.0\.0\.1:\d+ failed: less than 4 MiB in 2 s, 3 tries '
                r'each, for shard {url}/cifar-{split}-\d+\.tar and then {url}/cifar-{split}-\d+\.tar; '
                r'check that it is up and that this host \(.+\) reaches it, then run the same '
                r'command again \(with --ckpt_dir it resumes from the last checkpoint\)$')
@@ -914,6 +1000,13 @@ def test_a_stalled_evaluation_then_a_resume_on_other_shards_are_each_one_line(sh
 BAD_INPUTS = {
     'no shard matches': (lambda s: ['--wds_traindir', s / 'nowhere-{000..009}.tar'],
                          r'--wds_traindir: no shard found at \S+nowhere-\{000\.\.009\}\.tar'),
+    # 10 of 100 exist: the check stops once more than a tenth are missing.
+    'a range mostly missing': (
+        lambda s: ['--wds_traindir', s / 'shards' / 'cifar-train-{000000..000099}.tar'],
+        r'^error: --wds_traindir: 11 shards do not exist among the first 21 of 100 \(e\.g\. '
+        r'\S+cifar-train-000010\.tar\): check the \{first\.\.last\} range of \S+$'),
+    'read_timeout nan': (lambda s: ['--read_timeout', 'nan'],
+                         r'^error: --read_timeout nan: give a finite number \(see --helpshort\)$'),
     'too few shards for the workers': (
         lambda s: ['--wds_traindir', s / 'shards' / 'cifar-train-000000.tar', '--num_workers', 2],
         r'1 training shard cannot feed 1 replica x 2 loader workers'),
