@@ -557,8 +557,8 @@ def claim_folder(ckpt_dir, hold=True):
       os.makedirs(path, exist_ok=True)
       lock = os.open(os.path.join(path, '.lock'), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     except OSError as e:
-      raise UsageError(f'cannot write to --ckpt_dir {ckpt_dir} ({e.strerror}): give a folder or '
-                       'bucket this job can write') from None
+      raise UsageError(f'cannot write to --ckpt_dir {ckpt_dir} ({type(e).__name__}: {e}): give '
+                       'a folder or bucket this job can write') from None
     try:  # A POSIX lock: the loader workers forked from this process do not inherit it.
       fcntl.lockf(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
       if hold:  # Whose it is, for the line of a second run.
