@@ -249,6 +249,17 @@ def test_checkpoints_to_a_url_keep_the_newest_and_the_best():
   assert path == 'memory://ckpt/run1/ckpt-00000006.pt'
   assert torch.equal(state['model']['w'], torch.full((4,), 6.0))
   assert torch.equal(utils.load_checkpoint(f'{ckpt_dir}/best.pt')['model']['w'], torch.full((4,), 4.0))
+  # A bucket has no lock: a checkpoint this run neither found (find_checkpoint noted those)
+  # nor wrote is another run's, and the next save ends the run before it replaces anything.
+  fs = fsspec.filesystem('memory')
+  fs.pipe('/ckpt/run1/ckpt-00000008.pt', b'the other run')
+  state.update(step=8, global_step=8)
+  with pytest.raises(utils.UsageError, match=r'^--ckpt_dir memory://ckpt/run1 holds '
+                     r'ckpt-00000008\.pt, which this run did not write: another run writes there '
+                     r'\(nothing of it was replaced\); give each run its own --ckpt_dir$'):
+    utils.write_checkpoint(state, ckpt_dir, keep=2, best=False)
+  assert fs.cat('/ckpt/run1/ckpt-00000008.pt') == b'the other run'
+  assert len(fs.ls('/ckpt/run1')) == 4
 
 
 def train_shards(urls, rank, world_size, batches, **flags):
@@ -789,7 +800,8 @@ def test_a_server_that_trickles_fails_each_piece_at_its_deadline(shards):
 
 def test_a_bucket_that_trickles_is_named_by_its_host_and_tried_by_gcsfs_alone(bucket, monkeypatch):
   # Cloud Storage's emulator behind a link that trickles: each request (a MiB, or a file's
-  # size) has --read_timeout (1 s), which gcsfs does not try again: the script tries it 3 times.
+  # size) has --read_timeout (0.5 s), which gcsfs does not try again: the script tries it 3
+  # times.
   # The line names the server, not the bucket.
   link = SlowLink(int(bucket['STORAGE_EMULATOR_HOST'].rsplit(':', 1)[1]))
   for name, value in {**bucket, 'STORAGE_EMULATOR_HOST': f'http://127.0.0.1:{link.port}'}.items():
@@ -802,12 +814,13 @@ def test_a_bucket_that_trickles_is_named_by_its_host_and_tried_by_gcsfs_alone(bu
   link.trickle = True
   skipped = []
   with pytest.raises(utils.BadDataError) as failed:
-    list(wds_cifar.read_samples(urls, skipped.append, 10, read_timeout=1))
-  assert [str(e) for e in skipped] == [f'shard {urls[0]} cannot be read: less than 4 MiB in 1 s '
-                                       '(3 tries)']
+    list(wds_cifar.read_samples(urls, skipped.append, 10, read_timeout=0.5))
+  assert [str(e) for e in skipped] == [f'shard {urls[0]} cannot be read: less than 4 MiB in 0.5 '
+                                       's (3 tries)']
   fsspec.filesystem('gs').clear_instance_cache()
-  assert re.fullmatch(rf'127\.0\.0\.1:{link.port} failed: less than 4 MiB in 1 s, 3 tries each, '
-                      rf'for shard {urls[0]} and then {urls[1]}; .*', str(failed.value)), failed.value
+  assert re.fullmatch(rf'127\.0\.0\.1:{link.port} failed: less than 4 MiB in 0\.5 s, 3 tries '
+                      rf'each, for shard {urls[0]} and then {urls[1]}; .*', str(failed.value)), (
+                          failed.value)
 
 
 @contextlib.contextmanager
