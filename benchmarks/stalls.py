@@ -67,6 +67,14 @@ def serve(kind, folder):
 
 def run_case(kind, how, folder, data):
   server, port = serve(kind, folder)
+  try:
+    return timed_case(kind, how, folder, data, server, port)
+  finally:  # Interrupted too: no server outlives the benchmark.
+    os.killpg(server.pid, signal.SIGKILL)
+
+
+def timed_case(kind, how, folder, data, server, port):
+  """The row of one case, against its server (see run_case)."""
   link = SlowLink(port)
   if how == 'trickle':  # Through the link; else straight to the server.
     port = link.port
@@ -103,7 +111,6 @@ def run_case(kind, how, folder, data):
   lines += process.stdout.readlines()
   code = process.wait()
   seconds = time.monotonic() - failed
-  os.killpg(server.pid, signal.SIGKILL)
   last = lines[-1].strip() if lines else ''
   return f'| {kind} | {how} | {seconds:.0f} | {code} | {last} |'
 
