@@ -374,6 +374,7 @@ def check_shards(flag, pattern, strict):
     if strict:
       raise utils.UsageError(f'{message}: fix the pattern, or drop --fail_on_bad_data to skip them')
     print(f'warning: {message}; they will be skipped', file=sys.stderr, flush=True)
+  missing = set(missing)  # Up to a tenth of 100,000 shards: a set, not a list, to look in.
   return [url for url in urls if url not in missing and not url.startswith('pipe:')]
 
 
