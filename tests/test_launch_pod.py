@@ -19,10 +19,13 @@ import uuid
 
 import pytest
 
-from conftest import (REPO, XLA_CPU_FLAG, assert_nothing_left, assert_same_training, run_processes,
-                      run_script, seeded_random, wait_for)
+from conftest import (REPO, assert_nothing_left, assert_same_training, run_processes, run_script,
+                      seeded_random, wait_for)
 
 import launch_pod
+
+# The workers' sessions start with sshd's environment: the tests' XLA:CPU flags go as --env.
+XLA_FLAGS = os.environ['XLA_FLAGS']
 
 
 def free_port():
@@ -219,7 +222,7 @@ def test_ctrl_c_stops_training_on_every_worker_with_a_checkpoint_and_exit_75(ssh
   train = ('exec "$0" train_resnet_mp.py --fake_data --model resnet18 --img_dim 16 '
            '--batch_size 4 --num_epochs 1 --num_steps 500 --log_steps 1 --num_workers 0 '
            f'--ckpt_dir {tmp_path}/ckpt-$$')
-  process = start(sshd, '--env=PJRT_DEVICE=CPU', f'--env=XLA_FLAGS={XLA_CPU_FLAG}', '--', 'sh', '-c',
+  process = start(sshd, '--env=PJRT_DEVICE=CPU', f'--env=XLA_FLAGS={XLA_FLAGS}', '--', 'sh', '-c',
                   train, sys.executable, mark=mark)
   lines = wait_for(process, r'^\[worker \d\] \| Training Device', count=4)
   assert '[worker 0] | Training' in lines and '[worker 1] | Training' in lines, lines
@@ -343,7 +346,7 @@ def test_restarts_survive_a_preemption_and_a_lost_host_and_end_as_an_uninterrupt
   process = start(sshd, '--ssh_option=ServerAliveInterval=1', '--ssh_option=ServerAliveCountMax=2',
                   '--ssh_option=ConnectTimeout=5', '--restarts=3', '--restart_wait=120',
                   f'--tpu_devices={tmp_path}/accel*', f'--tpu_lockfile={tmp_path}/lockfile',
-                  '--env=PJRT_DEVICE=CPU', f'--env=XLA_FLAGS={XLA_CPU_FLAG}', '--', sys.executable,
+                  '--env=PJRT_DEVICE=CPU', f'--env=XLA_FLAGS={XLA_FLAGS}', '--', sys.executable,
                   *train, '--ckpt_dir', f'{tmp_path}/ck/w{{worker}}', mark=mark,
                   hosts=netns_hosts['hosts'])
   # Each worker's command is frozen (SIGSTOP) early in epoch 1, whichever comes first, so
