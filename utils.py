@@ -619,8 +619,9 @@ def write_checkpoint(state, ckpt_dir, keep, best):
       raise UsageError(f'cannot write checkpoint {path} ({e}): free space in --ckpt_dir or '
                        'give another; the checkpoints already there are kept') from None
     ours.add(state['global_step'])
+    # Only older ones: a newer one (a resume passed over it as unreadable) stays until replaced.
     kept = sorted(step for step in ours if step <= state['global_step'])[-keep:]
-    for step in sorted(ours - set(kept)):
+    for step in sorted(step for step in ours if step < kept[0]):
       if step in saved:
         try:
           url_fs(saved[step])[0].rm(url_fs(saved[step])[1])
@@ -633,53 +634,80 @@ def write_checkpoint(state, ckpt_dir, keep, best):
   return path
 
 
+class UnreadableCheckpoint(UsageError):
+  """A checkpoint file read whole that is not one (truncated, corrupt, foreign objects): a
+  resume passes over it for the one before (find_checkpoint)."""
+
+
 def load_checkpoint(path):
-  """The checkpoint at path with CPU tensors (weights_only: other objects could run code)."""
+  """The checkpoint at path with CPU tensors (weights_only: other objects could run code). Its
+  bytes are all read first, 4 MiB a request from a bucket: a read that fails (the network, a
+  permission, a missing file) is a UsageError that ends the run, never taken for a corrupt file
+  (UnreadableCheckpoint), whose older one would be resumed instead."""
   fs, where = url_fs(path)
+  local = isinstance(fs, fsspec.implementations.local.LocalFileSystem)
   try:
-    with fs.open(where, 'rb') as f:
-      # torch.save writes a zip archive; random or truncated bytes could look like a pickle.
-      if not zipfile.is_zipfile(f):
-        raise EOFError('not the whole zip archive that torch.save writes')
-      f.seek(0)
-      state = torch.load(f, map_location='cpu', weights_only=True)
-  except pickle.UnpicklingError:
-    raise UsageError(f'checkpoint {path} holds objects other than tensors and plain '
-                     'values; refused, since loading it could run code') from None
-  except asyncio.TimeoutError:  # Not the file's fault: the one before it would fare no better.
+    with fs.open(where, 'rb', cache_type='none') as f:
+      data = f.read() if local else b''.join(iter(functools.partial(f.read, 2**22), b''))
+  except asyncio.TimeoutError:  # (Not an OSError before Python 3.11.)
     raise BucketTimeout(f'cannot read checkpoint {path}') from None
+  except Exception as e:  # OSError, gcsfs's HttpError after its tries, aiohttp's errors
+    raise UsageError(f'cannot read checkpoint {path} ({type(e).__name__}: {e}): nothing was '
+                     'changed; make it readable, then run the same command again') from None
+  try:
+    # torch.save writes a zip archive; random or truncated bytes could look like a pickle.
+    if not zipfile.is_zipfile(io.BytesIO(data)):
+      raise EOFError('not the whole zip archive that torch.save writes')
+    state = torch.load(io.BytesIO(data), map_location='cpu', weights_only=True)
+  except pickle.UnpicklingError:
+    raise UnreadableCheckpoint(f'checkpoint {path} holds objects other than tensors and plain '
+                               'values; refused, since loading it could run code') from None
   except Exception as e:  # Truncated or corrupt: EOFError, RuntimeError, ...
     reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    raise UsageError(f'checkpoint {path} cannot be read: it is not a whole, readable '
-                     f'checkpoint file ({reason})') from None
+    raise UnreadableCheckpoint(f'checkpoint {path} cannot be read: it is not a whole, readable '
+                               f'checkpoint file ({reason})') from None
   # What this module reads of it; the rest is the script's (its save_checkpoint, restore).
-  missing = [key for key in ('model', 'flags', 'results', 'epoch', 'step')
+  missing = [key for key in ('model', 'flags', 'results', 'epoch', 'step', 'global_step')
              if not isinstance(state, dict) or key not in state]
   if missing:
-    raise UsageError(f'{path} is not a checkpoint of these scripts (no {", ".join(missing)})')
+    raise UnreadableCheckpoint(f'{path} is not a checkpoint of these scripts (no '
+                               f'{", ".join(missing)})')
   return state
 
 
 def find_checkpoint(resume, ckpt_dir):
   """(path, state) to resume from, chosen by the master for every replica, or (None, None):
-  --resume PATH, else the newest readable one in ckpt_dir (warning of each unreadable one)."""
+  --resume PATH, else the newest readable one in ckpt_dir (warning of each unreadable one; a
+  folder none of whose checkpoints can be read is a UsageError, not a start from step 0)."""
   path, state = None, None
-  if xm.is_master_ordinal(local=False) and ckpt_dir:
+  master = xm.is_master_ordinal(local=False)
+  if master and ckpt_dir:
     claim_folder(ckpt_dir)  # A second run on it ends here, before it trains.
-  if xm.is_master_ordinal(local=False) and resume:
+  if master and resume:
     try:
       path, state = resume, load_checkpoint(resume)
     except UsageError as e:
       raise UsageError(f'--resume: {e}') from None
-  elif xm.is_master_ordinal(local=False) and ckpt_dir:
-    for found in sorted(list_checkpoints(ckpt_dir).values(), reverse=True):
+    newer = {step: found for step, found in (list_checkpoints(ckpt_dir) if ckpt_dir else {}).items()
+             if step > state['global_step']}
+    if newer:  # Its saves and the newer ones would make two runs in one folder.
+      raise UsageError(f'--ckpt_dir {ckpt_dir} holds {newer[min(newer)].rsplit("/", 1)[-1]}, '
+                       f'newer than --resume {resume} (step {state["global_step"]}): a run '
+                       'never removes a newer checkpoint, and the next resume would take it '
+                       "for this run's; give this run another --ckpt_dir, or move the newer "
+                       'checkpoints out of it')
+  elif master and ckpt_dir:
+    found = sorted(list_checkpoints(ckpt_dir).values(), reverse=True)
+    for candidate in found:
       try:
-        path, state = found, load_checkpoint(found)
+        path, state = candidate, load_checkpoint(candidate)
         break
-      except BucketTimeout:
-        raise
-      except UsageError as e:
+      except UnreadableCheckpoint as e:
         print(f'warning: {e}; trying the previous one', file=sys.stderr, flush=True)
+    if found and state is None:
+      raise UsageError(f'none of the {len(found)} checkpoints in --ckpt_dir {ckpt_dir} can be '
+                       'read (see the warnings above): move them out of it to start over, or '
+                       'give another --ckpt_dir')
   if xr.world_size() > 1:
     path = xm.mesh_reduce('resume_from', path, lambda paths: paths[0])
     state = state or (load_checkpoint(path) if path else None)

@@ -364,10 +364,11 @@ def bucket(tmp_path):
 
 class SlowLink:
   """A TCP proxy on 127.0.0.1 to a server's port, whose answers pass, or trickle (a byte every
-  `every` s) once `trickle` is set: a slow or half-dead link in front of a real server."""
+  `every` s) once `trickle` is set, or once a request holds the bytes `when`: a slow or
+  half-dead link in front of a real server."""
 
-  def __init__(self, port, every=0.2):
-    self.target, self.every, self.trickle = port, every, False
+  def __init__(self, port, every=0.2, when=None):
+    self.target, self.every, self.trickle, self.when = port, every, False, when
     self.listener = socket.create_server(('127.0.0.1', 0))
     self.port = self.listener.getsockname()[1]
     threading.Thread(target=self._accept, daemon=True).start()
@@ -382,6 +383,8 @@ class SlowLink:
   def _pass(self, source, sink, answers):
     try:
       while data := source.recv(65536):
+        if not answers and self.when and self.when in data:
+          self.trickle = True
         if answers and self.trickle:
           for byte in data:
             sink.sendall(bytes([byte]))

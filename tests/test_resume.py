@@ -7,6 +7,7 @@ weights bitwise equal to a run that was never interrupted.
 """
 
 import asyncio
+import io
 import os
 import pickle
 import re
@@ -14,6 +15,7 @@ import shutil
 import signal
 
 import fsspec
+import numpy as np
 import pytest
 import torch
 
@@ -217,18 +219,18 @@ def test_a_stop_as_an_epoch_ends_saves_once_and_after_the_last_epoch_is_the_end(
   assert results['train_steps'] == 6 and 'preempted' not in results, results
 
 
-def test_a_save_to_a_bucket_that_trickles_ends_in_one_line_and_keeps_the_last_checkpoint(
+def test_a_bucket_that_trickles_ends_a_save_or_a_resume_in_one_line_and_keeps_every_checkpoint(
     bucket, monkeypatch):
   # Cloud Storage's emulator behind a link that starts to trickle (a byte every 0.2 s) after the
-  # first save: each request to the bucket has BUCKET_TIMEOUT (here 2 s), so the next save ends
-  # the run in seconds, and the checkpoint before it stays the newest, whole.
+  # second save: each request to the bucket has BUCKET_TIMEOUT (here 2 s), so the next save ends
+  # the run in seconds, and the checkpoints before it stay, whole.
   link = SlowLink(int(bucket['STORAGE_EMULATOR_HOST'].rsplit(':', 1)[1]))
   slow = {**bucket, 'STORAGE_EMULATOR_HOST': f'http://127.0.0.1:{link.port}'}
   args = ['--fake_data', '--model', 'resnet18', '--img_dim', 16, '--batch_size', 4,
           '--test_set_batch_size', 4, '--num_steps', 6, '--log_steps', 1, '--num_epochs', 1,
           '--ckpt_dir', 'gs://data/run1', '--ckpt_every_steps', 2]
   process = start_script(SCRIPT, *args, env=script_env(BUCKET_TIMEOUT='2', **slow))
-  out = wait_for(process, r'^Saved checkpoint gs://data/run1/ckpt-00000002\.pt$')
+  out = wait_for(process, r'^Saved checkpoint gs://data/run1/ckpt-00000004\.pt$')
   link.trickle = True
   code, rest = finish(process)
   # (The save lists the folder first: that request is the one that misses its deadline.)
@@ -236,10 +238,25 @@ def test_a_save_to_a_bucket_that_trickles_ends_in_one_line_and_keeps_the_last_ch
                    r'request to the bucket took over 2 s; check the network, then run the same '
                    r'command again$')
   assert_nothing_left(session=process.pid)
+  # The same command, its resume's download of the newest checkpoint trickling: one line, not
+  # a checkpoint taken for corrupt (then the older one, or none, trained from, and the newer
+  # ones removed by its first save).
+  link = SlowLink(link.target, when=b'ckpt-00000004')
+  stalled = {**bucket, 'STORAGE_EMULATOR_HOST': f'http://127.0.0.1:{link.port}'}
+  result = run_script(SCRIPT, *args[:-4], '--num_epochs', 2, *args[-4:],
+                      env=script_env(BUCKET_TIMEOUT='2', **stalled), timeout=300)
+  assert_one_error(result, 2, r'^error: cannot read checkpoint gs://data/run1/ckpt-00000004\.pt: '
+                   r'a request to the bucket took over 2 s; check the network, then run the same '
+                   r'command again$')
+  assert 'warning' not in result.stderr and 'Resumed' not in result.stdout, result.stderr
   for name, value in bucket.items():  # Straight to the emulator.
     monkeypatch.setenv(name, value)
   fs = fsspec.filesystem('gs', skip_instance_cache=True)
-  assert fs.ls('data/run1', refresh=True) == ['data/run1/ckpt-00000002.pt']
+  assert fs.ls('data/run1', refresh=True) == ['data/run1/ckpt-00000002.pt',
+                                               'data/run1/ckpt-00000004.pt']
+  assert utils.load_checkpoint('gs://data/run1/ckpt-00000004.pt')['global_step'] == 4
+  fsspec.filesystem('gs').clear_instance_cache()
+  monkeypatch.setenv('STORAGE_EMULATOR_HOST', slow['STORAGE_EMULATOR_HOST'])
   # An upload and a download have the same limit, through the trickle.
   monkeypatch.setenv('STORAGE_EMULATOR_HOST', slow['STORAGE_EMULATOR_HOST'])
   monkeypatch.setattr(utils, 'BUCKET_SECONDS', 1)
@@ -250,3 +267,45 @@ def test_a_save_to_a_bucket_that_trickles_ends_in_one_line_and_keeps_the_last_ch
                      r'ckpt-00000002\.pt: a request to the bucket took over 1 s; '):
     utils.load_checkpoint('gs://data/run1/ckpt-00000002.pt')
   fsspec.filesystem('gs').clear_instance_cache()
+
+
+def memory_checkpoint(path, step, data=None):
+  """Writes a checkpoint of global step `step` (or the bytes `data`) at memory://path."""
+  if data is None:
+    state = dict(model={'w': torch.full((2,), float(step))}, optimizer={}, lr_scheduler=None,
+                 epoch=1, step=step, global_step=step, rng={}, flags={}, results={})
+    torch.save(state, buffer := io.BytesIO())
+    data = buffer.getvalue()
+  fsspec.filesystem('memory').pipe(f'/{path}/ckpt-{step:08d}.pt', data)
+
+
+def test_a_resume_never_removes_a_newer_checkpoint_nor_starts_over_from_unreadable_ones(capsys):
+  # fsspec's memory file system stands for a bucket: the same calls as gs://.
+  fs = fsspec.filesystem('memory')
+  for step in (4, 8):
+    memory_checkpoint('resume/run1', step)
+  memory_checkpoint('resume/run1', 12, data=b'PK\x03\x04 not the rest of a zip archive')
+  path, state = utils.find_checkpoint(None, 'memory://resume/run1')
+  assert path.endswith('ckpt-00000008.pt') and state['global_step'] == 8
+  assert re.fullmatch(r'warning: checkpoint memory://resume/run1/ckpt-00000012\.pt cannot be '
+                      r'read: it is not a whole, readable checkpoint file \(.*\); trying the '
+                      r'previous one\n', capsys.readouterr().err)
+  # Its saves (keep 2) remove the older ones, not the newer one it passed over.
+  for step in (10, 11):
+    utils.write_checkpoint({**state, 'step': step, 'global_step': step}, 'memory://resume/run1',
+                           keep=2, best=False)
+  assert [p.rsplit('/', 1)[1] for p in sorted(fs.ls('/resume/run1', detail=False))] == [
+      'ckpt-00000010.pt', 'ckpt-00000011.pt', 'ckpt-00000012.pt']
+  # --resume of an older one while a newer one is there: one line, before anything is written.
+  with pytest.raises(utils.UsageError, match=r'^--ckpt_dir memory://resume/run1 holds '
+                     r'ckpt-00000011\.pt, newer than --resume memory://resume/run1/'
+                     r'ckpt-00000010\.pt \(step 10\): a run never removes a newer checkpoint'):
+    utils.find_checkpoint('memory://resume/run1/ckpt-00000010.pt', 'memory://resume/run1')
+  # None readable: one line, not a run from step 0 whose saves would replace them.
+  memory_checkpoint('resume/run2', 3, data=b'')
+  memory_checkpoint('resume/run2', 6, data=np.random.default_rng(3).bytes(4096))
+  with pytest.raises(utils.UsageError, match=r'^none of the 2 checkpoints in --ckpt_dir '
+                     r'memory://resume/run2 can be read \(see the warnings above\): move them out '
+                     r'of it to start over, or give another --ckpt_dir$'):
+    utils.find_checkpoint(None, 'memory://resume/run2')
+  assert len(capsys.readouterr().err.splitlines()) == 2
