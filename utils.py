@@ -22,6 +22,7 @@ import pickle
 import re
 import signal
 import socket
+import struct
 import sys
 import threading
 import time
@@ -120,10 +121,12 @@ def parse_flags(argv, elsewhere=None):
     die(f'--{e.flagname}: {elsewhere[e.flagname]}' if known else f'{e} (see --helpshort)')
   if len(rest) > 1:
     die(f'unexpected arguments {rest[1:]}: every option is a --flag (see --helpshort)')
+  largest = torch.finfo(torch.float32).max  # A float flag on the device (--lr 1e39: inf there)
   for name in flags.FLAGS:  # absl takes nan and inf for a float, and nan passes any bound.
     value = flags.FLAGS[name].value
-    if isinstance(value, float) and not math.isfinite(value):
-      die(f'--{name} {value}: give a finite number (see --helpshort)')
+    if isinstance(value, float) and not abs(value) <= largest:
+      die(f'--{name} {value:g}: give a finite number that float32 holds (at most {largest:.1e}; '
+          'see --helpshort)')
   return rest
 
 
@@ -216,28 +219,69 @@ def decode_image(data):
       return v2.functional.pil_to_tensor(image.convert('RGB'))
   except Image.UnidentifiedImageError:
     raise ValueError('not an image file') from None
-  except (OSError, Image.DecompressionBombError) as e:  # Truncated files; over twice PIL's limit.
-    raise ValueError(str(e)) from None  # (A mode PIL cannot make RGB is a ValueError.)
+  except Image.DecompressionBombError:  # Over twice the limit: PIL's open refuses it.
+    size = pil_size(data)  # Said as any image over the limit is.
+    raise ValueError(too_many_pixels('x'.join(map(str, size)) + ' pixels' if size else
+                                     f'more than {2 * Image.MAX_IMAGE_PIXELS:,} pixels')) from None
+  except OSError as e:  # Truncated files. (A mode PIL cannot make RGB is a ValueError.)
+    raise ValueError(str(e)) from None
 
 
 def check_pixels(width, height):
   """A ValueError for an image of more pixels than PIL's limit (Image.MAX_IMAGE_PIXELS, 89.5M;
   None: no limit): a 30000x30000 JPEG of 10 MB takes 2.7 GB and half a minute to decode."""
-  limit = Image.MAX_IMAGE_PIXELS
-  if limit and width * height > limit:
-    raise ValueError(f'{width}x{height} pixels, over the limit of {limit:,} (PIL\'s '
-                     'Image.MAX_IMAGE_PIXELS: raise it to read such images)')
+  if Image.MAX_IMAGE_PIXELS and width * height > Image.MAX_IMAGE_PIXELS:
+    raise ValueError(too_many_pixels(f'{width}x{height} pixels'))
+
+
+def too_many_pixels(pixels):
+  """The words for an image of `pixels` (such as '30000x30000 pixels') over the limit."""
+  return (f"{pixels}, over the limit of {Image.MAX_IMAGE_PIXELS:,} (PIL's Image.MAX_IMAGE_PIXELS: "
+          'raise it to read such images)')
 
 
 def jpeg_size(data):
-  """(width, height) of a JPEG from its frame header, read without decoding (in 3 us, where
-  PIL's header reading takes 24), or None if it finds none."""
+  """(width, height) of a JPEG from the frame header that libjpeg (torchvision's decoder) reads,
+  without decoding (in 3 us, where PIL's header reading takes 24), or None where libjpeg would
+  stop before one (PIL then reads the file). The markers are walked as libjpeg walks them, so
+  that no bytes it skips can hide a smaller frame: bytes up to an FF and fill FFs skipped, FF 00
+  too, RST0-7 and TEM without a length, a segment's length at least 2."""
   at = 2
-  while at + 9 <= len(data) and data[at] == 0xFF:
-    marker = data[at + 1]
-    if 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):  # SOF0-15: a frame
-      return int.from_bytes(data[at + 7:at + 9], 'big'), int.from_bytes(data[at + 5:at + 7], 'big')
-    at += 1 if marker == 0xFF else 2 + int.from_bytes(data[at + 2:at + 4], 'big')
+  while (at := data.find(b'\xff', at)) >= 0:
+    while at < len(data) and data[at] == 0xFF:
+      at += 1
+    marker, at = data[at:at + 1], at + 1
+    if not marker:
+      return None
+    if marker[0] in JPEG_FRAMES:  # length, precision, height, width
+      return int.from_bytes(data[at + 5:at + 7], 'big'), int.from_bytes(data[at + 3:at + 5], 'big')
+    if marker[0] in JPEG_SEGMENTS:
+      at += max(2, int.from_bytes(data[at:at + 2], 'big'))
+    elif not (marker[0] == 0 or 0xD0 <= marker[0] <= 0xD7 or marker[0] == 0x01):
+      return None  # Another SOI, EOI, scan data before a frame, an unknown marker: libjpeg stops.
+  return None
+
+
+JPEG_FRAMES = {*range(0xC0, 0xD0)} - {0xC4, 0xC8, 0xCC}  # SOF0-15
+# What libjpeg reads or skips by its length before a frame: DHT, DAC, DQT, DNL, DRI, APP0-15, COM.
+JPEG_SEGMENTS = {0xC4, 0xCC, 0xDB, 0xDC, 0xDD, *range(0xE0, 0xF0), 0xFE}
+
+
+def pil_size(data):
+  """(width, height) of an image from its header, by the PIL plugin that reads it, as Image.open
+  finds it but without its check of the pixels (which refuses, over twice the limit, in words of
+  its own), or None."""
+  Image.init()
+  for name in Image.ID:
+    factory, accept = Image.OPEN[name]
+    if accept is None or accept(data[:16]) is True:
+      try:
+        with factory(io.BytesIO(data)) as image:
+          return image.size
+      except Image.DecompressionBombError:
+        return None  # WebP's plugin checks the pixels itself, before it says the size.
+      except (SyntaxError, IndexError, TypeError, struct.error):
+        continue
   return None
 
 

@@ -333,6 +333,18 @@ def oversized_image(kind, side):
   return bytes(data)
 
 
+def crafted_jpeg(standalone=b'\xff\xd0'):
+  """A JPEG of 30000x30000 pixels (oversized_image's) behind a marker without a length
+  (standalone: RST0, or TEM) and an APP0 segment that hides a frame header of 32x32 where a walk
+  that reads a length after every marker lands: read as libjpeg reads it, it is 30000x30000."""
+  import struct
+  real = oversized_image('JPEG', 30000)
+  hidden = bytes.fromhex('ffc0 0011 08 0020 0020 03 012200 021101 031101')
+  # standalone's "length" would be APP0's marker, FF E0: 65504 bytes on from standalone + 2.
+  payload = bytes(2 + 2 + 0xFFE0 - 8) + hidden
+  return real[:2] + standalone + b'\xff\xe0' + struct.pack('>H', len(payload) + 2) + payload + real[2:]
+
+
 def closed_port():
   """A port on 127.0.0.1 where nothing listens (bound, then closed)."""
   with socket.socket() as probe:

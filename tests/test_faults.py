@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import (REPO, TRAIN_LINE, assert_nothing_left, assert_one_error, finish,
-                      make_cifar_python, make_image_folder, oversized_image, run_processes,
-                      run_script, script_env, start_script, wait_for)
+from conftest import (REPO, TRAIN_LINE, assert_nothing_left, assert_one_error, crafted_jpeg,
+                      finish, make_cifar_python, make_image_folder, run_processes, run_script,
+                      script_env, start_script, wait_for)
 
 
 def replicas(session):
@@ -262,9 +262,10 @@ SHARD_WRITER_MISTAKES = {
 
 
 def oversized_in(folder):
-  """The folder with a val split whose red class holds a JPEG of 30000x30000 pixels."""
+  """The folder with a val split whose red class holds a JPEG of 30000x30000 pixels (a frame
+  of 32x32 hidden before its own)."""
   make_image_folder(folder, 'val', 1)
-  (folder / 'val' / 'red' / 'big.jpg').write_bytes(oversized_image('JPEG', 30000))
+  (folder / 'val' / 'red' / 'big.jpg').write_bytes(crafted_jpeg())
   return folder
 
 

@@ -145,6 +145,8 @@ BAD_INPUTS = {
     'unknown model': (['--fake_data', '--model', 'resnet7'], r'--model resnet7 is not a torchvision classification model .*build_model'),
     'num_cores other than 1': (['--fake_data', '--num_cores', 8], r'--num_cores=8'),
     'zero batch size': (['--fake_data', '--batch_size', 0], r'--batch_size=0'),
+    'an lr past float32': (['--fake_data', '--lr', '1e39'],
+                           r'^error: --lr 1e\+39: give a finite number that float32 holds'),
     'unwritable results_json': (['--fake_data', '--results_json', 'README.md/r.json'],
                                 r'cannot write to --results_json README.md \('),
     'unwritable ckpt_dir': (['--fake_data', '--ckpt_dir', 'README.md/ckpt'],

@@ -235,6 +235,12 @@ BAD_INPUTS = {
     'zero steps': (lambda tmp: ['--fake_data', '--num_steps', 0],
                    r'--num_steps=0: 0 is not a positive integer'),
     'stray argument': (lambda tmp: ['--fake_data', 'resnet18'], r"unexpected arguments \['resnet18'\]"),
+    'a momentum that must diverge': (lambda tmp: ['--fake_data', '--momentum', 1],
+                                     r'^error: flag --momentum=1\.0: give a momentum below 1, such '
+                                     r'as 0\.9: at 1 or more each step adds all of the last one'),
+    'a weight decay past float32': (lambda tmp: ['--fake_data', '--weight_decay', '1e308'],
+                                    r'^error: --weight_decay 1e\+308: give a finite number that '
+                                    r'float32 holds \(at most 3\.4e\+38; see --helpshort\)$'),
     'amp and bf16': (lambda tmp: ['--fake_data', '--amp', '--bf16'],
                      r'give --amp or --bf16 \(XLA_USE_BF16=1\), not both'),
     'unwritable logdir': (lambda tmp: ['--fake_data', '--logdir', _a_file(tmp) / 'tb'],

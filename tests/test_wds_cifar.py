@@ -34,8 +34,8 @@ import train_wds_cifar
 import train_wds_cifar as wds_cifar
 import utils
 from conftest import (COLOURS, assert_nothing_left, assert_one_error, assert_same_training,
-                      closed_port, finish, make_cifar_python, make_image_folder, oversized_image,
-                      read_json, run_and_signal, run_script, script_env, seeded_random,
+                      closed_port, crafted_jpeg, finish, make_cifar_python, make_image_folder,
+                      oversized_image, read_json, run_and_signal, run_script, script_env, seeded_random,
                       SlowLink, start_script, training_losses, wait_for, write_image)
 
 
@@ -559,7 +559,8 @@ def test_images_over_the_pixel_limit_are_bad_samples_read_from_their_headers(tmp
   members = [('0.png', good.getvalue()), ('0.cls', b'1')]
   for i, (kind, side) in enumerate([('PNG', 10000), ('PNG', 30000), ('JPEG', 30000)], 1):
     members += [(f'{i}.{kind.lower()}', oversized_image(kind, side)), (f'{i}.cls', b'2')]
-  bad = write_tar(tmp_path / 'big.tar', members + [('4.png', good.getvalue()), ('4.cls', b'3')])
+  members += [('4.jpg', crafted_jpeg()), ('4.cls', b'2')]  # A small frame hidden before its own.
+  bad = write_tar(tmp_path / 'big.tar', members + [('5.png', good.getvalue()), ('5.cls', b'3')])
   cfg = SimpleNamespace(img_dim=32, num_classes=10, test_set_batch_size=2, fail_on_bad_data=False,
                         num_workers=0, read_timeout=20)
   batches = list(wds_cifar.TestShards([bad], 0, 1, cfg))
@@ -567,8 +568,8 @@ def test_images_over_the_pixel_limit_are_bad_samples_read_from_their_headers(tmp
   warnings = capfd.readouterr().err.splitlines()
   assert [re.sub(r'^warning: sample (\d) of \S+big\.tar has no readable (\w+) image \((.{24}).*',
                  r'\1 \2 \3', line) for line in warnings] == [
-      '1 png 10000x10000 pixels, over', '2 png Image size (900000000 pi',
-      '3 jpeg 30000x30000 pixels, over'], warnings
+      '1 png 10000x10000 pixels, over', '2 png 30000x30000 pixels, over',
+      '3 jpeg 30000x30000 pixels, over', '4 jpg 30000x30000 pixels, over'], warnings
   with pytest.raises(utils.BadDataError, match=r'sample 1 of \S+big\.tar has no readable png image '
                      r'\(10000x10000 pixels, over the limit of 89,478,485 .*--fail_on_bad_data'):
     list(wds_cifar.TestShards([bad], 0, 1, SimpleNamespace(**{**vars(cfg), 'fail_on_bad_data': True})))
@@ -1019,7 +1020,8 @@ BAD_INPUTS = {
         r'^error: --wds_traindir: 11 shards do not exist among the first 21 of 100 \(e\.g\. '
         r'\S+cifar-train-000010\.tar\): check the \{first\.\.last\} range of \S+$'),
     'read_timeout nan': (lambda s: ['--read_timeout', 'nan'],
-                         r'^error: --read_timeout nan: give a finite number \(see --helpshort\)$'),
+                         r'^error: --read_timeout nan: give a finite number that float32 holds '
+                         r'\(at most 3\.4e\+38; see --helpshort\)$'),
     'too few shards for the workers': (
         lambda s: ['--wds_traindir', s / 'shards' / 'cifar-train-000000.tar', '--num_workers', 2],
         r'1 training shard cannot feed 1 replica x 2 loader workers'),
