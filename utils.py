@@ -529,8 +529,13 @@ def check_learning(log, epoch, num_classes, lr, default_lr):
 
 
 def check_scores(output, labels, num_classes):
-  """The model's output for a batch, if it is a score for each class: else a UsageError naming
-  its shape and the one expected (a shape is known as the step is traced: no wait)."""
+  """The model's output for a batch, if it is a score for each class and the labels a class
+  each: else a UsageError naming the shape and the one expected (a shape is known as the step is
+  traced: no wait)."""
+  if labels.dim() != 1 or labels.dtype.is_floating_point:
+    raise UsageError(f'the labels of a batch of {len(labels)} are {labels.dtype} of shape '
+                     f'{tuple(labels.shape)}: expected ({len(labels)},), an integer class each; '
+                     "fix build_datasets' labels (an int each, or a tensor of shape ())")
   expected = (labels.shape[0], num_classes)
   if tuple(output.shape) != expected:
     raise UsageError(f'the model returns outputs of shape {tuple(output.shape)} for a batch of '

@@ -323,6 +323,12 @@ KIT_MISTAKES = {
         'num_classes',
         r'^error: label 7 in the batch of epoch 1 step \d is not one of the 3 classes \(labels 0 '
         r"to 2\): fix the dataset's labels, or the class count build_datasets returns$"),
+    # A label of shape (1,) each made a batch's (8, 1), which the loss refused in a traceback.
+    'labels of shape (1,)': (
+        'labels = labels.view(-1, 1)', 'num_classes',
+        r"^error: the labels of a batch of 8 are torch\.int64 of shape \(8, 1\): expected \(8,\), "
+        r"an integer class each; fix build_datasets' labels \(an int each, or a tensor of shape "
+        r'\(\)\)$'),
     # Scores for 2 classes of 3 trained label 2 silently too; a shape the loss refuses was a
     # traceback. The shape is known as the step is traced: one line before any compile.
     'a model with a score too few': (
