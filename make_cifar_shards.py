@@ -336,14 +336,12 @@ def check_pixels(path, data):
   utils.check_pixels), from its header: it would be skipped every epoch. One whose header
   cannot be read is stored: the reader skips it with a warning, as any corrupt sample."""
   try:
-    if data.startswith(b'\xff\xd8\xff') and (size := utils.jpeg_size(data)):
+    size = (data.startswith(b'\xff\xd8\xff') and utils.jpeg_size(data)) or utils.pil_size(data)
+    if size:
       utils.check_pixels(*size)
-    else:
-      with PIL.Image.open(io.BytesIO(data)) as image:
-        utils.check_pixels(*image.size)
   except OSError:
     pass
-  except (ValueError, PIL.Image.DecompressionBombError) as e:
+  except ValueError as e:
     raise utils.BadDataError(f'image {path}: {e}; resize it or remove it') from None
 
 
@@ -417,9 +415,16 @@ def write_all(jobs, classes):
   with said_as_one_line(), Progress(sum(len(indices) for _, _, indices in jobs)) as progress:
     fs, path = fsspec.core.url_to_fs(FLAGS.output)
     fs.makedirs(os.path.dirname(path) or '.', exist_ok=True)
-    written = [write_shards((samples[i]() for i in indices), f'{FLAGS.output}-{split}-%06d.tar',
-                            FLAGS.samples_per_shard, progress)
-               for split, samples, indices in jobs]
+    try:
+      written = [write_shards((samples[i]() for i in indices), f'{FLAGS.output}-{split}-%06d.tar',
+                              FLAGS.samples_per_shard, progress)
+                 for split, samples, indices in jobs]
+    except utils.BadDataError as e:  # An image refused midway (its pixels): what is left.
+      left = [name for name in earlier_files(fs, path) if name.endswith('.tar')]
+      raise utils.BadDataError(f'{e}, then run the same command again (it writes every shard '
+                               f'anew); until then {FLAGS.output}-* holds '
+                               f'{plural(len(left), "whole shard")} and no classes file, not the '
+                               'whole set') from None
     with written_whole(FLAGS.output + '-classes.txt') as f:
       f.write('\n'.join(classes).encode() + b'\n')
   return written

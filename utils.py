@@ -219,10 +219,9 @@ def decode_image(data):
       return v2.functional.pil_to_tensor(image.convert('RGB'))
   except Image.UnidentifiedImageError:
     raise ValueError('not an image file') from None
-  except Image.DecompressionBombError:  # Over twice the limit: PIL's open refuses it.
-    size = pil_size(data)  # Said as any image over the limit is.
-    raise ValueError(too_many_pixels('x'.join(map(str, size)) + ' pixels' if size else
-                                     f'more than {2 * Image.MAX_IMAGE_PIXELS:,} pixels')) from None
+  except Image.DecompressionBombError as e:  # Over twice the limit: PIL's open refuses it.
+    check_pixels(*(pil_size(data) or (0, 0)))  # Said as for any image over the limit.
+    raise ValueError(str(e)) from None
   except OSError as e:  # Truncated files. (A mode PIL cannot make RGB is a ValueError.)
     raise ValueError(str(e)) from None
 
@@ -270,7 +269,8 @@ JPEG_SEGMENTS = {0xC4, 0xCC, 0xDB, 0xDC, 0xDD, *range(0xE0, 0xF0), 0xFE}
 def pil_size(data):
   """(width, height) of an image from its header, by the PIL plugin that reads it, as Image.open
   finds it but without its check of the pixels (which refuses, over twice the limit, in words of
-  its own), or None."""
+  its own), or None. WebP's plugin checks the pixels itself, before it says the size: a
+  ValueError in check_pixels' words."""
   Image.init()
   for name in Image.ID:
     factory, accept = Image.OPEN[name]
@@ -279,7 +279,7 @@ def pil_size(data):
         with factory(io.BytesIO(data)) as image:
           return image.size
       except Image.DecompressionBombError:
-        return None  # WebP's plugin checks the pixels itself, before it says the size.
+        raise ValueError(too_many_pixels(f'more than {2 * Image.MAX_IMAGE_PIXELS:,} pixels')) from None
       except (SyntaxError, IndexError, TypeError, struct.error):
         continue
   return None

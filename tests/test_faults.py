@@ -257,7 +257,8 @@ SHARD_WRITER_MISTAKES = {
                      '--output', tmp / 's'],
         r"^error: image \S+/f/val/red/big\.jpg: 30000x30000 pixels, over the limit of "
         r"89,478,485 \(PIL's Image\.MAX_IMAGE_PIXELS: raise it to read such images\); resize it "
-        r'or remove it$'),
+        r'or remove it, then run the same command again \(it writes every shard anew\); until '
+        r'then \S+/s-\* holds 1 whole shard and no classes file, not the whole set$'),
 }
 
 
