@@ -447,7 +447,8 @@ class TestShards(torch.utils.data.IterableDataset):
   takes every world_size-th from r) and on to their loader workers, each sample once, in
   batches of test_set_batch_size; a worker's last batch is filled up with blank images of
   label -1, which are not counted. A replica may run fewer batches than another: evaluation
-  waits for no other replica until its sums."""
+  waits for no other replica until its sums. A worker given twice --testsize (or, without it,
+  --trainsize) samples reads no further: a shard that never ends is a BadDataError."""
 
   def __init__(self, urls, rank, world_size, cfg):
     self.urls, self.cfg, self.views = urls[rank::world_size], cfg, Views(cfg.img_dim)
@@ -457,9 +458,15 @@ class TestShards(torch.utils.data.IterableDataset):
     worker, num_workers = worker_share()
     size = self.cfg.test_set_batch_size
     bad = BadData(self.cfg.fail_on_bad_data, self.counts, worker)
-    batch = []
-    for where, image_key, data, label in read_samples(self.urls[worker::num_workers], bad,
-                                                      self.cfg.num_classes, self.cfg.read_timeout):
+    batch, limit = [], 2 * (self.cfg.testsize or self.cfg.trainsize)
+    samples = read_samples(self.urls[worker::num_workers], bad, self.cfg.num_classes,
+                           self.cfg.read_timeout)
+    for number, (where, image_key, data, label) in enumerate(samples, 1):
+      if number > limit:  # The pace limits cannot see a server that sends samples without end.
+        raise utils.BadDataError(
+            f'the test shards gave a loader worker over {limit:,} samples, twice --'
+            f'{"testsize" if self.cfg.testsize else "trainsize"} (the last: {where}): a shard that '
+            'does not end, or give the right --testsize; check the shards and their server')
       try:
         batch.append((self.views.eval(decode(image_key, data)), label))
       except BadSample as e:
@@ -1044,8 +1051,9 @@ class RetriedReads(io.RawIOBase):
   def close_stream(self):
     if self.stream is not None:
       with contextlib.suppress(Exception):
-        if self.http:  # Its answer's connection, at once.
-          fsspec.asyn.sync(self.stream.fs.loop, self.stream.close, timeout=self.read_timeout)
+        if self.http:  # Its answer's connection, at once: nothing to wait for from the server.
+          self.stream.closed = True  # Its response still closed; __del__ then makes no coroutine.
+          fsspec.asyn.sync(self.stream.fs.loop, self.stream.close, timeout=1)
         else:
           self.stream.close()
       self.stream = None

@@ -562,7 +562,7 @@ def test_images_over_the_pixel_limit_are_bad_samples_read_from_their_headers(tmp
   members += [('4.jpg', crafted_jpeg()), ('4.cls', b'2')]  # A small frame hidden before its own.
   bad = write_tar(tmp_path / 'big.tar', members + [('5.png', good.getvalue()), ('5.cls', b'3')])
   cfg = SimpleNamespace(img_dim=32, num_classes=10, test_set_batch_size=2, fail_on_bad_data=False,
-                        num_workers=0, read_timeout=20)
+                        num_workers=0, read_timeout=20, testsize=6)
   batches = list(wds_cifar.TestShards([bad], 0, 1, cfg))
   assert [labels.tolist() for _, labels in batches] == [[1, 3]]
   warnings = capfd.readouterr().err.splitlines()
@@ -580,7 +580,8 @@ def test_bad_sample_warnings_stop_after_a_few_and_the_count_goes_on(tmp_path, ca
                                          for key, data in [('png', b'not a png'), ('cls', b'1')]])
   # Two loader workers of a replica count in one shared tensor, one slot each.
   dataset = wds_cifar.TestShards([bad, bad], 0, 1, SimpleNamespace(
-      img_dim=32, num_classes=10, test_set_batch_size=8, fail_on_bad_data=False, num_workers=2, read_timeout=20))
+      img_dim=32, num_classes=10, test_set_batch_size=8, fail_on_bad_data=False, num_workers=2,
+      read_timeout=20, testsize=80))
   assert list(torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=2)) == []
   assert dataset.counts.tolist() == [40, 40]
   warnings = capfd.readouterr().err.splitlines()
@@ -968,6 +969,43 @@ def test_bad_test_shard_is_fatal_with_the_flag(shards, tmp_path):
                       '--fail_on_bad_data', '--num_workers', 0, '--num_steps', 1, '--batch_size',
                       16, timeout=300)
   assert_one_error(result, 2, r'^error: shard \S+cifar-test-000000\.tar cannot be read to the end')
+
+
+class EndlessHandler(QuietHandler):
+  """Answers /endless-test-000000.tar with CIFAR samples without end, as fast as they are read."""
+
+  def send_head(self):
+    if self.path != '/endless-test-000000.tar':
+      return super().send_head()
+    self.send_response(200)  # No length: the answer ends when the connection does.
+    self.end_headers()
+    return io.BytesIO()
+
+  def copyfile(self, source, outputfile):
+    if self.path != '/endless-test-000000.tar':
+      return super().copyfile(source, outputfile)
+    for key in itertools.count():
+      for name, data in ((f'{key:08d}.rgb', bytes(3072)), (f'{key:08d}.cls', b'1')):
+        info = tarfile.TarInfo(name)
+        info.size = len(data)
+        outputfile.write(info.tobuf(tarfile.USTAR_FORMAT) + data + bytes(-len(data) % 512))
+
+
+def test_a_test_shard_that_never_ends_is_one_line(shards, tmp_path):
+  # Its samples come fast: no pace limit sees it. Twice --testsize is as far as a worker reads.
+  server = QuietServer(('127.0.0.1', 0), functools.partial(EndlessHandler, directory=str(tmp_path)))
+  threading.Thread(target=server.serve_forever, daemon=True).start()
+  result = run_script('train_wds_cifar.py', '--wds_traindir',
+                      shards / 'shards' / 'cifar-train-{000000..000009}.tar', '--trainsize', 16,
+                      '--wds_testdir', f'http://127.0.0.1:{server.server_port}/endless-test-000000.tar',
+                      '--testsize', 12, '--num_workers', 0, '--batch_size', 16, '--num_epochs', 1,
+                      '--img_dim', 8,
+                      timeout=300)
+  server.shutdown()
+  assert_one_error(result, 2, r'^error: the test shards gave a loader worker over 24 samples, '
+                   r'twice --testsize \(the last: sample 00000024 of http://\S+/endless-test-'
+                   r'000000\.tar\): a shard that does not end, or give the right --testsize; check '
+                   r'the shards and their server$')
 
 
 def test_a_stalled_evaluation_then_a_resume_on_other_shards_are_each_one_line(shards, tmp_path):
