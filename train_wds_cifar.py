@@ -35,6 +35,7 @@ import gzip
 import io
 import itertools
 import lzma
+import math
 import os
 import random
 import re
@@ -131,6 +132,7 @@ import fsspec
 import fsspec.asyn
 import fsspec.implementations.local
 import numpy as np
+import PIL.Image
 import requests
 import torch
 import torch.nn.functional as F
@@ -1108,6 +1110,11 @@ class TarFiles:
 
   def __init__(self, stream):
     self.stream, self.size, self.cut_short = stream, 0, False
+    # A file is read whole: one of gigabytes (zeros in a .tar.gz of 2 MB) would cost a worker
+    # as much. The most a sample's file takes is an image at PIL's pixel limit, uncompressed,
+    # 4 bytes a pixel (RGBA): 358 MB; checked from the header, before the file is read.
+    pixels = PIL.Image.MAX_IMAGE_PIXELS
+    self.limit = 4 * pixels if pixels else math.inf
 
   def read(self, size):
     data = self.stream.read(size)
@@ -1129,6 +1136,11 @@ class TarFiles:
         raise tarfile.ReadError(
             f"a tar header with a bad checksum @ byte {self.size - tarfile.BLOCKSIZE}")
       kind, size = header[156:157], int(names.pop('size', 0)) or tar_number(header[124:136])
+      if size > self.limit:
+        raise tarfile.ReadError(
+            f'a file of {size:,} bytes @ byte {self.size - tarfile.BLOCKSIZE}, over the '
+            f"{self.limit:,} that a sample's file may hold (4 bytes a pixel at PIL's "
+            'Image.MAX_IMAGE_PIXELS)')
       data = self.read(size)
       if len(data) < size:
         raise tarfile.ReadError(f'unexpected end of data @ byte {self.size}')

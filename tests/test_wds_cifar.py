@@ -542,6 +542,27 @@ def write_tar(path, members):
   return str(path)
 
 
+def test_a_file_over_what_a_sample_may_hold_is_refused_from_its_header(tmp_path, monkeypatch):
+  # A .tar.gz of a few KB whose one file is far larger (zeros): refused before it is read. The
+  # limit follows PIL's pixel limit (4 bytes a pixel): lowered here, so that 100 KB is over it.
+  monkeypatch.setattr(PIL.Image, 'MAX_IMAGE_PIXELS', 10_000)
+  path = tmp_path / 'zeros.tar.gz'
+  with tarfile.open(path, 'w:gz') as tar:
+    for name, data in [('a.rgb', bytes(3072)), ('a.cls', b'1'), ('b.rgb', bytes(100_000)),
+                       ('b.cls', b'2'), ('c.rgb', bytes(3072)), ('c.cls', b'3')]:
+      info = tarfile.TarInfo(name)
+      info.size = len(data)
+      tar.addfile(info, io.BytesIO(data))
+  assert path.stat().st_size < 2000
+  skipped = []
+  read = list(train_wds_cifar.read_samples([str(path)], skipped.append, 10))
+  assert read == []  # (Sample a, whole only once the next one starts, goes with the shard.)
+  assert [str(e) for e in skipped] == [
+      f'shard {path} cannot be read to the end (ReadError: a file of 100,000 bytes @ byte 4608, '
+      "over the 40,000 that a sample's file may hold (4 bytes a pixel at PIL's "
+      'Image.MAX_IMAGE_PIXELS))']
+
+
 def test_sample_without_label_is_skipped(tmp_path):
   path = write_tar(tmp_path / 'odd.tar', [('a.rgb', bytes(3072)), ('a.cls', b'1'),
                                           ('b.rgb', bytes(3072)), ('c.rgb', bytes(5)),
