@@ -274,10 +274,20 @@ def read_cifar_python(folder):
   def images_labels(name):
     batch = unpickle(name)
     try:  # Rows are 3072 bytes: the red plane, then green, then blue (channel-first).
-      images = np.asarray(batch[b'data'], np.uint8).reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1)
-      labels = np.asarray(batch[b'labels'], np.int64)
-      if len(images) != len(labels) or np.asarray(batch[b'data']).shape[1:] != (3072,):
-        raise ValueError(f'{len(labels)} labels for data of shape {np.shape(batch[b"data"])}')
+      data, labels = batch[b'data'], batch[b'labels']
+      # Their kinds and sizes first: a pickle of 300 bytes can nest references to one list to
+      # make billions of elements, which np.asarray would expand.
+      if not (isinstance(data, np.ndarray) and data.dtype == np.uint8 and data.ndim == 2 and
+              data.shape[1] == 3072):
+        kind = (f'a {data.dtype} array of shape {data.shape}' if isinstance(data, np.ndarray)
+                else f'a {type(data).__name__}')
+        raise ValueError(f'b"data" is {kind}, not N rows of 3072 uint8 bytes')
+      if not (isinstance(labels, list) and len(labels) == len(data) and
+              all(type(label) is int for label in labels)):
+        raise ValueError(f'{len(labels) if isinstance(labels, list) else "no list of"} labels '
+                         f'for data of shape {data.shape}, or a label not an int')
+      images = data.reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1)
+      labels = np.asarray(labels, np.int64)
     except (TypeError, KeyError, IndexError, ValueError) as e:
       raise utils.UsageError(f'{os.path.join(folder, name)} is not a CIFAR-10 batch (a dict of '
                              f'b"data", N rows of 3072 bytes, and b"labels"): {e!r}') from None

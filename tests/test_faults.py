@@ -4,6 +4,7 @@ process group, as a terminal sends it), a second Ctrl-C, SIGTERM while replicas 
 replica that fails, a disk that fills up. Each run is started in a session of its own, and
 afterwards no process of that session may be left."""
 
+import functools
 import os
 import pickle
 import re
@@ -232,6 +233,15 @@ SHARD_WRITER_MISTAKES = {
         lambda tmp: [*bad_pickle(tmp / 'c', {b'data': np.zeros((4, 3000), np.uint8),
                                              b'labels': [0, 1, 2, 3]}), '--output', tmp / 's'],
         r'data_batch_3 is not a CIFAR-10 batch'),
+    # 234 bytes of pickle: a list of 10 references to one list of 10, nested 8 deep, made 10^8
+    # elements as it was read into an array (10 s; each level more, 10 times that).
+    'nested references to one list': (
+        lambda tmp: [*bad_pickle(tmp / 'c', {b'data': functools.reduce(
+            lambda inner, _: [inner] * 10, range(8), 0), b'labels': [0] * 10}),
+            '--output', tmp / 's'],
+        r'^error: \S+data_batch_3 is not a CIFAR-10 batch \(a dict of b"data", N rows of 3072 '
+        r'bytes, and b"labels"\): ValueError\(\'b"data" is a list, not N rows of 3072 uint8 '
+        r'bytes\'\)$'),
     'unwritable output': (lambda tmp: ['--cifar_dir', make_cifar_python(tmp / 'c', 4, 4),
                                        '--output', REPO / 'README.md' / 'cifar'],
                           r'cannot write shards to --output \S+README.md/cifar'),
@@ -251,7 +261,8 @@ SHARD_WRITER_MISTAKES = {
         lambda tmp: ['--image_folder', not_an_image(make_image_folder(tmp / 'f', 'train', 1)),
                      '--output', tmp / 's'],
         r'^error: cannot read image \S+/f/val/red/notes\.png \(not an image file\): replace or '
-        r'remove the file$'),
+        r'remove the file, then run the same command again \(it writes every shard anew\); until '
+        r'then \S+/s-\* holds 1 whole shard and no classes file, not the whole set$'),
     'an image over the pixel limit': (  # Kept as it is, it would be refused by every epoch.
         lambda tmp: ['--image_folder', oversized_in(make_image_folder(tmp / 'f', 'train', 1)),
                      '--output', tmp / 's'],
