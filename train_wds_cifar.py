@@ -54,7 +54,8 @@ flags.DEFINE_string('wds_traindir', None, 'Training shards: a brace pattern of p
 flags.DEFINE_string('wds_testdir', None, 'Test shards, the same way.')
 flags.DEFINE_integer('trainsize', None, 'Training samples in the shards (all of them).', lower_bound=1)
 flags.DEFINE_integer('testsize', None, 'Test samples in the shards (all of them): checked, a '
-                     'warning if the test shards hold another number.', lower_bound=1)
+                     'warning if the test shards hold another number; a loader worker reads at '
+                     'most twice it (unset: twice --trainsize).', lower_bound=1)
 flags.DEFINE_integer('shuffle_buffer', 10000, 'Samples each loader worker shuffles.', lower_bound=1)
 flags.DEFINE_bool('fail_on_bad_data', False, 'Stop at a bad shard or sample instead of skipping it.')
 flags.DEFINE_float('read_timeout', 20, 'Seconds in which each 4 MiB of a remote shard must arrive '

@@ -279,7 +279,8 @@ def pil_size(data):
         with factory(io.BytesIO(data)) as image:
           return image.size
       except Image.DecompressionBombError:
-        raise ValueError(too_many_pixels(f'more than {2 * Image.MAX_IMAGE_PIXELS:,} pixels')) from None
+        raise ValueError(too_many_pixels(f'more than {2 * Image.MAX_IMAGE_PIXELS:,} pixels')
+                         ) from None
       except (SyntaxError, IndexError, TypeError, struct.error):
         continue
   return None
@@ -694,10 +695,9 @@ def load_checkpoint(path):
   permission, a missing file) is a UsageError that ends the run, never taken for a corrupt file
   (UnreadableCheckpoint), whose older one would be resumed instead."""
   fs, where = url_fs(path)
-  local = isinstance(fs, fsspec.implementations.local.LocalFileSystem)
   try:
     with fs.open(where, 'rb', cache_type='none') as f:
-      data = f.read() if local else b''.join(iter(functools.partial(f.read, 2**22), b''))
+      data = b''.join(iter(functools.partial(f.read, 2**22), b''))
   except asyncio.TimeoutError:  # (Not an OSError before Python 3.11.)
     raise BucketTimeout(f'cannot read checkpoint {path}') from None
   except Exception as e:  # OSError, gcsfs's HttpError after its tries, aiohttp's errors
@@ -737,10 +737,10 @@ def find_checkpoint(resume, ckpt_dir):
       path, state = resume, load_checkpoint(resume)
     except UsageError as e:
       raise UsageError(f'--resume: {e}') from None
-    newer = {step: found for step, found in (list_checkpoints(ckpt_dir) if ckpt_dir else {}).items()
-             if step > state['global_step']}
+    newer = [found for step, found in sorted(list_checkpoints(ckpt_dir).items())
+             if step > state['global_step']] if ckpt_dir else []
     if newer:  # Its saves and the newer ones would make two runs in one folder.
-      raise UsageError(f'--ckpt_dir {ckpt_dir} holds {newer[min(newer)].rsplit("/", 1)[-1]}, '
+      raise UsageError(f'--ckpt_dir {ckpt_dir} holds {newer[0].rsplit("/", 1)[-1]}, '
                        f'newer than --resume {resume} (step {state["global_step"]}): a run '
                        'never removes a newer checkpoint, and the next resume would take it '
                        "for this run's; give this run another --ckpt_dir, or move the newer "
