@@ -275,6 +275,8 @@ def read_cifar_python(folder):
     batch = unpickle(name)
     try:  # Rows are 3072 bytes: the red plane, then green, then blue (channel-first).
       data, labels = batch[b'data'], batch[b'labels']
+      if isinstance(labels, np.ndarray) and labels.ndim == 1:  # (The release's is a list.)
+        labels = labels.tolist()
       # Their kinds and sizes first: a pickle of 300 bytes can nest references to one list to
       # make billions of elements, which np.asarray would expand.
       if not (isinstance(data, np.ndarray) and data.dtype == np.uint8 and data.ndim == 2 and

@@ -88,7 +88,8 @@ flags.DEFINE_float('lr_warmup_epochs', 0.9, 'Epochs of linear warm-up from 0.', 
 flags.DEFINE_integer('lr_scheduler_divide_every_n_epochs', 20, 'LR division period.', lower_bound=1)
 flags.DEFINE_float('lr_scheduler_divisor', 5, 'What the LR is divided by.', lower_bound=1.0)
 flags.DEFINE_float('momentum', 0.9, 'SGD momentum, below 1.', lower_bound=0.0)
-flags.register_validator('momentum', lambda m: m < 1, 'give a momentum below 1, such as 0.9: at 1 or more each step adds all of the last one, and the weights run away')
+flags.register_validator('momentum', lambda m: m < 1, 'give a momentum below 1, such as 0.9: at 1 '
+                         'or more each step adds all of the last one, and the weights run away')
 flags.DEFINE_float('weight_decay', None, 'SGD weight decay (default: the recipe\'s, 5e-4 for '
                    'CIFAR-10, 1e-4 for ImageNet).', lower_bound=0.0)
 flags.DEFINE_integer('seed', 42, 'Seed of the weights, the shard order, the shuffle and the crops.')

@@ -247,8 +247,7 @@ def jpeg_size(data):
   too, RST0-7 and TEM without a length, a segment's length at least 2."""
   at = 2
   while (at := data.find(b'\xff', at)) >= 0:
-    while at < len(data) and data[at] == 0xFF:
-      at += 1
+    at = JPEG_FILL.match(data, at).end()  # In C: a crafted file may hold megabytes of them.
     marker, at = data[at:at + 1], at + 1
     if not marker:
       return None
@@ -261,6 +260,7 @@ def jpeg_size(data):
   return None
 
 
+JPEG_FILL = re.compile(rb'\xff+')  # The FFs before a marker
 JPEG_FRAMES = {*range(0xC0, 0xD0)} - {0xC4, 0xC8, 0xCC}  # SOF0-15
 # What libjpeg reads or skips by its length before a frame: DHT, DAC, DQT, DNL, DRI, APP0-15, COM.
 JPEG_SEGMENTS = {0xC4, 0xCC, 0xDB, 0xDC, 0xDD, *range(0xE0, 0xF0), 0xFE}
@@ -705,9 +705,11 @@ def load_checkpoint(path):
                      'changed; make it readable, then run the same command again') from None
   try:
     # torch.save writes a zip archive; random or truncated bytes could look like a pickle.
-    if not zipfile.is_zipfile(io.BytesIO(data)):
+    buffer = io.BytesIO(data)
+    if not zipfile.is_zipfile(buffer):
       raise EOFError('not the whole zip archive that torch.save writes')
-    state = torch.load(io.BytesIO(data), map_location='cpu', weights_only=True)
+    buffer.seek(0)
+    state = torch.load(buffer, map_location='cpu', weights_only=True)
   except pickle.UnpicklingError:
     raise UnreadableCheckpoint(f'checkpoint {path} holds objects other than tensors and plain '
                                'values; refused, since loading it could run code') from None
@@ -737,10 +739,9 @@ def find_checkpoint(resume, ckpt_dir):
       path, state = resume, load_checkpoint(resume)
     except UsageError as e:
       raise UsageError(f'--resume: {e}') from None
-    newer = [found for step, found in sorted(list_checkpoints(ckpt_dir).items())
-             if step > state['global_step']] if ckpt_dir else []
+    newer = sorted(step for step in _ours.get(ckpt_dir, ()) if step > state['global_step'])
     if newer:  # Its saves and the newer ones would make two runs in one folder.
-      raise UsageError(f'--ckpt_dir {ckpt_dir} holds {newer[0].rsplit("/", 1)[-1]}, '
+      raise UsageError(f'--ckpt_dir {ckpt_dir} holds ckpt-{newer[0]:08d}.pt, '
                        f'newer than --resume {resume} (step {state["global_step"]}): a run '
                        'never removes a newer checkpoint, and the next resume would take it '
                        "for this run's; give this run another --ckpt_dir, or move the newer "
