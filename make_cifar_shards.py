@@ -507,6 +507,9 @@ if __name__ == '__main__':
     run(sys.argv[1:])
   else:
     signal.signal(signal.SIGTERM, preempted)
+    # Ctrl-C as KeyboardInterrupt even when started with SIGINT ignored (a background job of a
+    # script, whose SIGINT Python then leaves ignored), as the training scripts take it.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
       app.run(main, flags_parser=utils.parse_flags)
     except (KeyboardInterrupt, Preempted) as e:
