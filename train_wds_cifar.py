@@ -31,6 +31,7 @@ SIGTERM (Ctrl-C): every replica finishes the same step, the master saves, exit c
 import asyncio
 import bz2
 import contextlib
+import functools
 import gzip
 import io
 import itertools
@@ -209,7 +210,10 @@ class ForeignSample(BadSample):
 def parse(sample, num_classes):
   """(image file key, its bytes, label) of a sample as the tar holds it: the first file of
   IMAGE_KEYS it has, the label from its cls file. Shards of another image format: add its
-  file extension to IMAGE_KEYS (and its decoding to decode)."""
+  file extension to IMAGE_KEYS (and its decoding to decode). A sample that cannot be used
+  raises BadSample saying why: it alone is skipped, with a warning (--fail_on_bad_data: the
+  run ends in that line), and the rest of its shard is read; ForeignSample, shards of another
+  format, is one line at start. Anything else it raises is a bug: a traceback that ends here."""
   image_key = next((key for key in IMAGE_KEYS if key in sample), None)
   if image_key is None or 'cls' not in sample:
     found = ', '.join(sorted(key for key in sample if not key.startswith('__'))) or 'no file'
@@ -232,7 +236,9 @@ def parse(sample, num_classes):
 def decode(image_key, data):
   """The image of an image file of a sample as a uint8 tensor (3 x H x W): rgb (raw 32x32x3
   bytes) and npy (uint8 H x W x 3) by numpy, a plain ppm without PIL, the others (JPEG, PNG,
-  WebP, ...) as the image-folder scripts read files (utils.decode_image: libjpeg-turbo)."""
+  WebP, ...) as the image-folder scripts read files (utils.decode_image: libjpeg-turbo). An
+  image that cannot be decoded (what PIL and numpy raise of one) is a BadSample: skipped, its
+  place in the batch taken by another. Anything else is a bug: a traceback that ends here."""
   try:
     if image_key == 'rgb':
       image = np.frombuffer(data, np.uint8).reshape(RGB_SIDE, RGB_SIDE, 3)
@@ -286,7 +292,8 @@ def build_model(cfg, num_classes):
   device (see mean_std). Here: the torchvision ResNet --model names, at CIFAR's 32 px and
   below with the CIFAR stem. Put yours here; a --model name of your own is then accepted.
   Images of another format: the place is parse and decode. Called in main, to check, and in
-  every replica."""
+  every replica. A --model it cannot build: raise utils.UsageError saying what to give (one
+  `error:` line, exit code 2); anything else it raises is a bug: a traceback."""
   if not cfg.model.startswith(('resnet', 'resnext', 'wide_resnet')):
     raise utils.UsageError(f'--model {cfg.model} is not a torchvision ResNet (resnet18, resnet50, '
                            'resnext50_32x4d, ...): name one, or build yours in build_model')
@@ -391,9 +398,9 @@ class TrainShards(torch.utils.data.IterableDataset):
     short last shard is the writer's way, fewer is a wrong --trainsize or lost data."""
     for pass_number in itertools.count():
       shuffle = wds.shuffle(self.cfg.shuffle_buffer, initial=self.cfg.batch_size, rng=rng)
-      read = 0
-      for sample in shuffle(read_samples(rng.sample(shards, len(shards)), on_bad,
-                                         self.cfg.num_classes, self.cfg.read_timeout)):
+      samples, read = read_samples(rng.sample(shards, len(shards)), functools.partial(
+          parse, num_classes=self.cfg.num_classes), on_bad, self.cfg.read_timeout), 0
+      for sample in shuffle(samples):
         read += 1
         yield *sample, pass_number
       if read == 0:
@@ -463,8 +470,8 @@ class TestShards(torch.utils.data.IterableDataset):
     size = self.cfg.test_set_batch_size
     bad = BadData(self.cfg.fail_on_bad_data, self.counts, worker)
     batch, limit = [], 2 * (self.cfg.testsize or self.cfg.trainsize)
-    samples = read_samples(self.urls[worker::num_workers], bad, self.cfg.num_classes,
-                           self.cfg.read_timeout)
+    samples = read_samples(self.urls[worker::num_workers], functools.partial(
+        parse, num_classes=self.cfg.num_classes), bad, self.cfg.read_timeout)
     for number, (where, image_key, data, label) in enumerate(samples, 1):
       if number > limit:  # The pace limits cannot see a server that sends samples without end.
         raise utils.BadDataError(
@@ -775,7 +782,8 @@ def main(argv):
       for flag, urls in found.items():
         if urls:
           supervisor.check_format(flag, urls[0], lambda urls, on_bad: read_samples(
-              urls, on_bad, cfg.num_classes, cfg.read_timeout))
+              urls, functools.partial(parse, num_classes=cfg.num_classes), on_bad,
+              cfg.read_timeout))
       print(describe_data(cfg, classes))
       print(supervisor.describe_model(cfg.model, build_model(cfg, cfg.num_classes), cfg.num_classes))
       given = {name for name in FLAGS if FLAGS[name].present}
@@ -847,8 +855,7 @@ def run(argv):
 # server, a bucket or a pipe, on deadlines and tried again where a server fails, and the tar
 # reader. The pipeline reaches it through read_samples, which hands every failure to one
 # callable (BadData, above). The file then ends, as every script does, with its entry point.
-READ_TIMEOUT = 20  # --read_timeout's default: the seconds in which a piece must arrive, ...
-READ_PIECE = 4 << 20  # ... a piece being 4 MiB of a remote shard (or its rest)
+READ_PIECE = 4 << 20  # A piece of a remote shard (or its rest), to arrive within --read_timeout s
 READ_TRIES = 3  # of a read that fails for the server's sake (see RetriedReads)
 DOWN_AFTER = 2  # shards in a row that their server failed: it is down, and the run ends
 ZERO_BLOCK = bytes(tarfile.BLOCKSIZE)  # Two end a tar.
@@ -865,66 +872,74 @@ class BadShard(Exception):
   """A shard that is missing or cannot be read to the end, saying which and why."""
 
 
-def read_samples(urls, on_bad, num_classes, read_timeout=READ_TIMEOUT):
-  """(where, image file key, its bytes, label) of every sample of the shards in turn, `where`
-  naming it in a message. Each failure is handed to on_bad as an exception that says what
-  and where (BadShard; parse's BadSample or ForeignSample), which raises or counts it, and
-  reading goes on; but a server that failed DOWN_AFTER shards in a row is down, and ends the
-  run. Whose failure it is, the data's or the server's: failure(). A bug's is raised."""
+def read_samples(urls, parse, on_bad, read_timeout):
+  """(where, *parse(sample)) of every sample of the shards in turn, `where` naming it in a
+  message; parse is the script's hook (its num_classes given). Each failure is handed to on_bad
+  as an exception that says what and where (BadShard; parse's BadSample or ForeignSample),
+  which raises or counts it, and reading goes on: a bad sample is skipped, the rest of its
+  shard read. But a server that failed DOWN_AFTER shards in a row is down, and ends the run.
+  Whose failure it is, the data's or the server's: failure(). Anything else that parse raises
+  is a bug of its code, raised as it is, as is one of this code."""
   failed = []  # Shards in a row that their server failed.
   for url in urls:
-    try:
-      yield from shard_samples(url, on_bad, num_classes, read_timeout)
-      failed.clear()
-    except Exception as e:
-      kind = failure(e)
-      if kind is None:
-        raise  # A bug of the code: a traceback.
-      server = isinstance(e, ServerFailed)
-      failed = failed + [url] if server else []
-      if len(failed) == DOWN_AFTER:
-        raise utils.BadDataError(
-            f'{e.server} failed: {e.reason}, {e.tries} each, for shard {failed[0]} and then '
-            f'{url}; check that it is up and that this host ({socket.gethostname()}) reaches '
-            'it, then run the same command again (with --ckpt_dir it resumes from the last '
-            'checkpoint)') from None
-      on_bad(BadShard(f'shard {url} is missing' if kind == 'missing' else
+    shard = Shard(url, read_timeout)
+    held = None  # What is wrong with the sample just read, said once the next one comes.
+    for sample in shard:
+      if held:
+        on_bad(held)
+      where, held = f'sample {sample["__key__"]} of {url}', None
+      try:
+        parsed = parse(sample)  # Outside the shard's reading: none of its errors is the shard's.
+      except BadSample as e:
+        held = e.at(where)
+        continue
+      yield (where, *parsed)
+    if held and not shard.cut_short:  # The last sample of a tar cut short lacks a file: ...
+      on_bad(held)
+    if shard.cut_short:  # ... the cut is said, not that.
+      on_bad(BadShard(f'shard {url} cannot be read to the end (it ends inside a tar header, '
+                      f'after {shard.size} bytes: the rest of it is lost)'))
+    e = shard.error
+    server = isinstance(e, ServerFailed)
+    failed = failed + [url] if server else []
+    if len(failed) == DOWN_AFTER:
+      raise utils.BadDataError(
+          f'{e.server} failed: {e.reason}, {e.tries} each, for shard {failed[0]} and then '
+          f'{url}; check that it is up and that this host ({socket.gethostname()}) reaches '
+          'it, then run the same command again (with --ckpt_dir it resumes from the last '
+          'checkpoint)') from None
+    if e is not None:
+      on_bad(BadShard(f'shard {url} is missing' if failure(e) == 'missing' else
                       f'shard {url} cannot be read: {e.reason} ({e.tries})' if server else
                       f'shard {url} cannot be read: {http_answer(e)}' if http_status(e) else
                       f'shard {url} cannot be read to the end ({type(e).__name__}: '
                       f'{e.args[0] if e.args else e})'))
 
 
-def shard_samples(url, on_bad, num_classes, read_timeout):
-  """The samples of one shard (see read_samples). The last sample of a tar cut short lacks a
-  file: the cut is said, once, not that sample."""
-  stream = wds.gopen(url) if url.startswith('pipe:') else open_shard(url, read_timeout)
-  with contextlib.closing(stream):
-    tar = TarFiles(stream)
-    held = None  # What is wrong with the sample just read, said once the next one comes.
+class Shard:
+  """The samples of one shard as the tar reader groups them (see tar_samples), read to its end
+  or to a failure of its data or its server, which `error` then holds (see failure); a bug's
+  is raised. cut_short: it ends inside a tar header, after `size` bytes."""
+
+  def __init__(self, url, read_timeout):
+    self.url, self.read_timeout = url, read_timeout
+    self.error, self.cut_short, self.size = None, False, 0
+
+  def __iter__(self):
     try:
-      for sample in tar_samples(tar, url):
-        if held:
-          on_bad(held)
-        where, held = f'sample {sample["__key__"]} of {url}', None
-        try:
-          parsed = parse(sample, num_classes)
-        except BadSample as e:
-          held = e.at(where)
-          continue
-        yield (where, *parsed)
-    except Exception:  # Within a file of the next sample: the held one was whole.
-      if held:
-        on_bad(held)
-      raise
-    if tar.cut_short:
-      on_bad(BadShard(f'shard {url} cannot be read to the end (it ends inside a tar header, '
-                      f'after {tar.size} bytes: the rest of it is lost)'))
-    elif held:
-      on_bad(held)
+      stream = (wds.gopen(self.url) if self.url.startswith('pipe:') else
+                open_shard(self.url, self.read_timeout))
+      with contextlib.closing(stream):
+        tar = TarFiles(stream)
+        yield from tar_samples(tar, self.url)
+      self.cut_short, self.size = tar.cut_short, tar.size
+    except Exception as e:
+      if failure(e) is None:
+        raise  # A bug of the code: a traceback.
+      self.error = e
 
 
-def open_shard(url, read_timeout=READ_TIMEOUT):
+def open_shard(url, read_timeout):
   """A shard to read from start to end: a local file as it is; a remote one read in pieces of
   READ_PIECE, each within read_timeout s, so that a server that stops or trickles fails the
   read, and read again where a server fails (see RetriedReads). Over http(s) one stream (a

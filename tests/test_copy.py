@@ -114,7 +114,7 @@ def readme_adapt_steps():
   """The three code blocks of docs/adapt.md's worked example: (copy commands, the two
   functions, the training command)."""
   page = (REPO / 'docs' / 'adapt.md').read_text()
-  section = page.split('\n## Adapt it', 1)[1].split('\n## ', 1)[0]
+  section = page.split('\n## Adapt it', 1)[1].split('\n## ', 1)[0].split('A worked example', 1)[1]
   blocks = [textwrap.dedent(block) for block in
             re.findall(r'^( *)```\w*\n(.*?)^\1```', section, re.M | re.S) for block in [block[1]]]
   copy, functions, command = blocks[:3]
@@ -365,3 +365,28 @@ def test_kit_alone_ends_a_run_whose_labels_or_model_outputs_are_not_the_classes(
   out, _ = process.communicate(timeout=600)
   assert_one_error((process.returncode, out), 2, error)
   assert 'test end' not in out, out
+
+
+def test_kit_alone_a_bug_in_a_copiers_parse_is_its_traceback_not_a_bad_shard(tmp_path):
+  # A copier's parse that takes the labels for class names: its ValueError, raised in a loader
+  # worker of the replica, ends the run as a bug of that parse, a traceback that ends in it
+  # (exit code 1), not a warning that blames each shard, then no readable sample.
+  project = tmp_path / 'project'
+  copy_kit('train_wds_cifar.py', project)
+  script = project / 'train_wds_cifar.py'
+  source = script.read_text()
+  start, end = source.index('def parse('), source.index('def decode(')
+  script.write_text(source[:start] + textwrap.dedent('''\
+      def parse(sample, num_classes):
+        return 'rgb', sample['rgb'], ['cat', 'dog'].index(sample['cls'].decode())
+
+
+      ''') + source[end:])
+  process = start_in(project, 'train_wds_cifar.py', *kit_args('train_wds_cifar.py', tmp_path))
+  out, _ = process.communicate(timeout=300)
+  assert process.returncode == 1, out[-3000:]
+  frames = re.findall(r'^  File "[^"]*/([^/"]+)", line \d+, in (\w+)$', out, re.M)
+  assert frames[-1] == ('train_wds_cifar.py', 'parse'), out[-3000:]
+  assert re.search(r"^ValueError: '\d' is not in list\n*\Z", out, re.M), out[-3000:]
+  assert 'warning' not in out and 'error:' not in out, out[-3000:]
+  assert_nothing_left(session=process.pid)

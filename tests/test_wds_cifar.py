@@ -7,7 +7,9 @@ import functools
 import http.server
 import io
 import itertools
+import json
 import os
+import pathlib
 import pickle
 import re
 import shlex
@@ -16,6 +18,7 @@ import socket
 import subprocess
 import sys
 import tarfile
+import textwrap
 import threading
 import time
 from types import SimpleNamespace
@@ -33,7 +36,7 @@ import supervisor
 import train_wds_cifar
 import train_wds_cifar as wds_cifar
 import utils
-from conftest import (COLOURS, assert_nothing_left, assert_one_error, assert_same_training,
+from conftest import (COLOURS, REPO, assert_nothing_left, assert_one_error, assert_same_training,
                       closed_port, crafted_jpeg, finish, make_cifar_python, make_image_folder,
                       oversized_image, read_json, run_and_signal, run_script, script_env, seeded_random,
                       SlowLink, start_script, training_losses, wait_for, write_image)
@@ -90,10 +93,17 @@ def never(message):
   raise AssertionError(message)
 
 
+def samples_of(urls, on_bad=never, num_classes=10, read_timeout=20):
+  """(where, image file key, its bytes, label) of every sample of the shards, as the script's
+  pipeline reads them (with its parse)."""
+  return wds_cifar.read_samples(urls, functools.partial(wds_cifar.parse, num_classes=num_classes),
+                                on_bad, read_timeout)
+
+
 def decoded(urls, on_bad=never, num_classes=10):
   """(image uint8 H x W x 3, label) of every sample of the shards, as the script reads them."""
   return [(wds_cifar.decode(image_key, data).permute(1, 2, 0).numpy(), label)
-          for _, image_key, data, label in wds_cifar.read_samples(urls, on_bad, num_classes)]
+          for _, image_key, data, label in samples_of(urls, on_bad, num_classes)]
 
 
 def test_writer_stores_every_image_and_label_exactly(shards):
@@ -159,7 +169,7 @@ def test_writer_keeps_an_image_folders_files_as_they_are(tmp_path):
   assert sorted(p.name for p in out.iterdir()) == [
       'c-classes.txt', *(f'c-train-{i:06d}.tar' for i in range(4)), 'c-val-000000.tar']
   def members(pattern):
-    return [(key, data, label) for _, key, data, label in wds_cifar.read_samples(
+    return [(key, data, label) for _, key, data, label in samples_of(
         sorted(map(str, out.glob(pattern))), never, 4)]
   def files(split):
     return [(path, COLOURS_ORDER.index(path.parent.name))
@@ -203,7 +213,7 @@ def test_writer_stopped_by_ctrl_c_leaves_only_whole_shards(tmp_path):
   written = sorted((tmp_path / 'out').iterdir())
   assert 0 < len(written) < 2000 and all(path.suffix == '.tar' for path in written), written
   counter = train_wds_cifar.BadData(strict=True)  # Each is whole: read to its end, none bad.
-  assert len(list(train_wds_cifar.read_samples(map(str, written), counter, 10))) == 50 * len(written)
+  assert len(list(samples_of(map(str, written), counter, 10))) == 50 * len(written)
   result = run_script('make_cifar_shards.py', *args)  # As the line says.
   assert result.returncode == 0, result.stderr
   assert len(list((tmp_path / 'out').glob('c-train-*.tar'))) == 2000
@@ -224,7 +234,7 @@ def test_shards_written_to_a_bucket_are_read_back_from_it(bucket, tmp_path, monk
       f'data/photos/photos-train-{i:06d}.tar' for i in range(3)), 'data/photos/photos-val-000000.tar']
   fsspec.filesystem('gs').clear_instance_cache()
   urls = list(braceexpand.braceexpand('gs://data/photos/photos-{train-{000000..000002},val-000000}.tar'))
-  read = sorted(data for _, _, data, _ in wds_cifar.read_samples(urls, never, 4))
+  read = sorted(data for _, _, data, _ in samples_of(urls, never, 4))
   assert read == sorted(path.read_bytes() for path in (tmp_path / 'img').glob('*/*/*'))
   assert wds_cifar.shard_classes('gs://data/photos/photos-train-{000000..000002}.tar') == sorted(COLOURS)
   # A checkpoint goes up in one upload, as the shards do: no temporary object, no rename.
@@ -463,17 +473,17 @@ def test_truncated_shard_is_skipped_with_a_warning_or_fatal(shards, tmp_path, ca
   bad = truncated_copy(shards / 'shards' / 'cifar-test-000001.tar', tmp_path / 'bad.tar')
   counter = train_wds_cifar.BadData(strict=False)
   missing = str(tmp_path / 'missing.tar')
-  read = list(train_wds_cifar.read_samples([test[0], bad, missing, test[2]], counter, 10))
+  read = list(samples_of([test[0], bad, missing, test[2]], counter, 10))
   assert counter.count == 2
   assert 100 < len(read) < 150  # The good shards and the readable start of the bad one.
   # Read again, as a replica whose shards ran out reads them to fill its epoch: counted once.
-  assert len(list(train_wds_cifar.read_samples([bad], counter, 10))) == len(read) - 100
+  assert len(list(samples_of([bad], counter, 10))) == len(read) - 100
   assert counter.count == 2
   err = capsys.readouterr().err
   assert len(re.findall(r'^warning: shard \S*bad\.tar cannot be read to the end', err, re.M)) == 1
   assert re.search(r'^warning: shard \S*missing\.tar is missing; skipped$', err, re.M)
   with pytest.raises(utils.BadDataError, match=r'bad\.tar cannot be read.*--fail_on_bad_data'):
-    list(train_wds_cifar.read_samples([bad], train_wds_cifar.BadData(strict=True), 10))
+    list(samples_of([bad], train_wds_cifar.BadData(strict=True), 10))
 
 
 def test_shard_cut_inside_a_tar_header_is_a_bad_shard(shards, tmp_path, capsys):
@@ -490,7 +500,7 @@ def test_shard_cut_inside_a_tar_header_is_a_bad_shard(shards, tmp_path, capsys):
     (tmp_path / 'test' / f'cifar-test-{i:06d}.tar').write_bytes(data[:cut] if i == 1 else data)
   test = [str(tmp_path / 'test' / f'cifar-test-{i:06d}.tar') for i in range(4)]
   counter = train_wds_cifar.BadData(strict=False)
-  read = list(train_wds_cifar.read_samples(test, counter, 10))
+  read = list(samples_of(test, counter, 10))
   assert counter.count == 1 and len(read) == 150 + starts.index(cut - cut % 512) + 1, len(read)
   assert re.search(r'^warning: shard \S*cifar-test-000001\.tar cannot be read to the end \(it ends '
                    rf'inside a tar header, after {cut} bytes: the rest of it is lost\); skipped$',
@@ -507,14 +517,57 @@ def test_shard_cut_inside_a_tar_header_is_a_bad_shard(shards, tmp_path, capsys):
                    r'it, or drop --fail_on_bad_data')
 
 
-def test_a_bug_in_the_reading_code_is_a_traceback_not_a_bad_shard(shards):
-  # num_classes None (once a bug of the script's): a TypeError for each sample's label check,
-  # raised as it is, not a shard skipped with a warning.
-  counter = train_wds_cifar.BadData(strict=False)
-  with pytest.raises(TypeError):
-    next(train_wds_cifar.read_samples([str(shards / 'shards' / 'cifar-test-000000.tar')], counter,
-                                      None))
-  assert counter.count == 0
+def adapt_parse():
+  """The parse of docs/adapt.md's example (labels in a json file), as a copier puts it in the
+  script."""
+  page = (REPO / 'docs' / 'adapt.md').read_text()
+  block = re.search(r'^ *```python\n( *def parse\(.*?)^ *```', page, re.M | re.S)[1]
+  namespace = dict(vars(wds_cifar), json=json)
+  exec(textwrap.dedent(block), namespace)
+  return namespace['parse']
+
+
+def careless_parse(sample, num_classes):
+  """A copier's parse that does not say what is wrong with a sample."""
+  return 'jpg', sample['jpg'], json.loads(sample['json'])['label']
+
+
+def json_shard(path, labels):
+  """A shard of samples a, b, ... of a 4x4 JPEG and a json file of each of labels."""
+  jpeg = io.BytesIO()
+  PIL.Image.new('RGB', (4, 4)).save(jpeg, 'JPEG')
+  return write_tar(path, [member for key, label in zip('abcdefgh', labels) for member in
+                          ((f'{key}.jpg', jpeg.getvalue()), (f'{key}.json', label.encode()))])
+
+
+def test_a_copiers_parse_skips_the_sample_it_refuses_and_raises_its_own_bugs(tmp_path):
+  # Labels in a json file, sample b's broken. docs/adapt.md's parse refuses b (BadSample):
+  # b alone is skipped, c and d are read, the warning names b.
+  shard = json_shard(tmp_path / 'j.tar', ['{"label": 1}', '{"label": 2', '{"label": 3}', '{"label": 0}'])
+  skipped = []
+  read = list(wds_cifar.read_samples([shard], functools.partial(adapt_parse(), num_classes=4),
+                                     skipped.append, 20))
+  assert [label for *_, label in read] == [1, 3, 0]
+  assert [str(e) for e in skipped] == [
+      f'sample b of {shard} has no label in its json file (JSONDecodeError: Expecting \',\' '
+      'delimiter: line 1 column 12 (char 11))']
+  with pytest.raises(utils.BadDataError, match=rf'^sample b of {re.escape(shard)} has no label .*: '
+                     'replace it, or drop --fail_on_bad_data to skip it$'):
+    list(wds_cifar.read_samples([shard], functools.partial(adapt_parse(), num_classes=4),
+                                wds_cifar.BadData(strict=True), 20))
+  # A parse that lets the json's error out, or reads a label that is not there: its bug, raised
+  # as it is at sample b, from its own line; no shard blamed, nothing skipped.
+  no_label = json_shard(tmp_path / 'k.tar', ['{"label": 1}', '{"class": 2}', '{"label": 3}'])
+  for shard, error in ((shard, json.JSONDecodeError), (no_label, KeyError)):
+    skipped, read = [], []
+    with pytest.raises(error) as raised:
+      for sample in wds_cifar.read_samples([shard], functools.partial(careless_parse,
+                                                                      num_classes=4),
+                                           skipped.append, 20):
+        read.append(sample)
+    assert [label for *_, label in read] == [1] and skipped == []
+    ours = [entry for entry in raised.traceback if entry.path == pathlib.Path(__file__)]
+    assert ours[-1].name == 'careless_parse', raised.traceback
 
 
 def test_shard_cut_between_a_samples_files_is_one_bad_shard(shards, tmp_path, capsys):
@@ -526,7 +579,7 @@ def test_shard_cut_between_a_samples_files_is_one_bad_shard(shards, tmp_path, ca
   cut = cls_headers[seeded_random().randrange(1, len(cls_headers))]
   (tmp_path / 'cut.tar').write_bytes(source.read_bytes()[:cut])
   counter = train_wds_cifar.BadData(strict=False)
-  read = list(train_wds_cifar.read_samples([str(tmp_path / 'cut.tar')], counter, 10))
+  read = list(samples_of([str(tmp_path / 'cut.tar')], counter, 10))
   assert counter.count == 1 and len(read) == cls_headers.index(cut), len(read)
   err = capsys.readouterr().err
   assert re.fullmatch(r'warning: shard \S*cut\.tar cannot be read to the end \(it ends inside a '
@@ -555,7 +608,7 @@ def test_a_file_over_what_a_sample_may_hold_is_refused_from_its_header(tmp_path,
       tar.addfile(info, io.BytesIO(data))
   assert path.stat().st_size < 2000
   skipped = []
-  read = list(train_wds_cifar.read_samples([str(path)], skipped.append, 10))
+  read = list(samples_of([str(path)], skipped.append, 10))
   assert read == []  # (Sample a, whole only once the next one starts, goes with the shard.)
   assert [str(e) for e in skipped] == [
       f'shard {path} cannot be read to the end (ReadError: a file of 100,000 bytes @ byte 4608, '
@@ -568,7 +621,7 @@ def test_sample_without_label_is_skipped(tmp_path):
                                           ('b.rgb', bytes(3072)), ('c.rgb', bytes(5)),
                                           ('c.cls', b'2')])
   counter = train_wds_cifar.BadData(strict=False)
-  read = list(train_wds_cifar.read_samples([path], counter, 10))
+  read = list(samples_of([path], counter, 10))
   assert [label for *_, label in read] == [1] and counter.count == 2
 
 
@@ -723,7 +776,7 @@ def test_reads_shards_over_http(http_shards, shards):
   # The start check reads a shard's first samples as training reads it: one GET.
   before = len(QuietHandler.requests)
   supervisor.check_format('wds_testdir', urls[0],
-                          lambda urls, on_bad: wds_cifar.read_samples(urls, on_bad, 10))
+                          lambda urls, on_bad: samples_of(urls, on_bad, 10))
   assert QuietHandler.requests[before:] == ['GET /cifar-test-000000.tar']
   assert supervisor.shard_missing(http_shards + '/nope.tar')  # 404: missing, not unreachable.
   local = decoded([str(p) for p in sorted((shards / 'shards').glob('cifar-test-*.tar'))])
@@ -752,7 +805,7 @@ def test_a_server_that_fails_or_forbids_is_said_so_at_start_and_mid_run(capsys, 
     supervisor.check_shards('wds_testdir', f'{url}/403/s-{{000..009}}.tar', strict=False)
   # Mid-run: a shard refused is a bad shard, said in one short line (no request headers).
   skipped = []
-  assert not list(wds_cifar.read_samples([f'{url}/403/s-000.tar'], skipped.append, 10))
+  assert not list(samples_of([f'{url}/403/s-000.tar'], skipped.append, 10))
   assert [str(e) for e in skipped] == [f'shard {url}/403/s-000.tar cannot be read: HTTP 403 '
                                        'Forbidden']
   # A long check says how far it is (here at every shard).
@@ -812,7 +865,7 @@ def test_a_server_that_trickles_fails_each_piece_at_its_deadline(shards):
   urls = [f'http://127.0.0.1:{server.server_port}/cifar-test-{i:06d}.tar' for i in range(2)]
   skipped = []
   with pytest.raises(utils.BadDataError) as failed:
-    list(wds_cifar.read_samples(urls, skipped.append, 10, read_timeout=0.5))
+    list(samples_of(urls, skipped.append, 10, read_timeout=0.5))
   server.shutdown()
   assert [str(e) for e in skipped] == [f'shard {urls[0]} cannot be read: less than 4 MiB in 0.5 '
                                        's (3 tries)']
@@ -837,7 +890,7 @@ def test_a_bucket_that_trickles_is_named_by_its_host_and_tried_by_gcsfs_alone(bu
   link.trickle = True
   skipped = []
   with pytest.raises(utils.BadDataError) as failed:
-    list(wds_cifar.read_samples(urls, skipped.append, 10, read_timeout=0.5))
+    list(samples_of(urls, skipped.append, 10, read_timeout=0.5))
   assert [str(e) for e in skipped] == [f'shard {urls[0]} cannot be read: less than 4 MiB in 0.5 '
                                        's (3 tries)']
   fsspec.filesystem('gs').clear_instance_cache()
