@@ -3,8 +3,8 @@
 
 A training script imports this module in one guarded place and runs without it as
 upstream's scripts do, through torch_xla.launch, with everything utils.py gives every
-replica (checkpoints, the exact resume, the stop on SIGTERM or Ctrl-C after an agreed step,
-the exit codes). With it, a run also gets:
+replica (checkpoints, the exact resume, the stop on SIGTERM, SIGHUP or Ctrl-C after an agreed
+step, the exit codes). With it, a run also gets:
 - checks before any replica starts, each a line instead of one traceback per replica: the
   data and the model built once and said ("Data:", "Model:", "Recipe:"), a dataset loader
   workers cannot receive, image folders (their layout, empty classes, links that reach an

@@ -5,8 +5,8 @@ One process per local device (8 TPU cores of a v2/v3-8, 4 chips of a v4-8, ...),
 training on its share of an ImageNet-style folder (--datadir) or of constant fake batches
 (--fake_data); xm.optimizer_step sums the gradients over all replicas. Run the same
 command on every worker of a pod and it trains on all hosts. With --ckpt_dir, the same
-command started again goes on exactly where the last one stopped. SIGTERM (Ctrl-C): every
-replica finishes the same step, the master saves, exit code 75 (130).
+command started again goes on exactly where the last one stopped. SIGTERM or SIGHUP (Ctrl-C):
+every replica finishes the same step, the master saves, exit code 75 (130).
 
   python train_resnet_mp.py --fake_data --model resnet18 --img_dim 32 \
       --batch_size 16 --num_epochs 2 --num_steps 40 --log_steps 10
@@ -112,8 +112,10 @@ MODEL_DEFAULTS = {'resnet50': dict(lr=0.5, lr_scheduler_type='WarmupAndExponenti
 # ---------------------------------------------------------- your model and your data
 def build_model(cfg, num_classes):
   """The model to train: a torch.nn.Module from a float batch (N, C, H, W) to logits (N,
-  num_classes). Here: the torchvision classifier --model names. Put yours here; a --model
-  name of your own is then accepted. Called in main, to check, and in every replica."""
+  num_classes). Here: the torchvision classifier --model names. Put yours here; a --model name of
+  your own is then accepted. Called in main, to check, and in every replica. A --model it cannot
+  build: raise utils.UsageError saying what to give (one `error:` line, exit code 2); anything
+  else it raises is a bug: a traceback."""
   return utils.create_model(cfg.model, num_classes)
 
 
@@ -122,7 +124,9 @@ def build_datasets(cfg):
   datasets of (C x H x W uint8 or float tensor, integer label below the class count), all of
   one shape. The step normalises uint8 images on the device (utils.normalize, ImageNet's mean
   and std); float ones reach the model as they are. Here: --datadir's ImageNet-style folders,
-  as uint8. A utils.UsageError is said in one line.
+  as uint8. A mistake the user can fix (a path, a flag) raises utils.UsageError, a file
+  that cannot be read utils.BadDataError (each one `error:` line, exit code 2); anything else
+  it or its datasets raise is a bug: a traceback that ends there.
   Called in main, to check (first and last samples too), and in every replica."""
   if not cfg.datadir:
     raise utils.UsageError('give --datadir DIR (DIR/train/CLASS/*.jpg, DIR/val/CLASS/*.jpg) '
@@ -227,7 +231,7 @@ def train_one_epoch(run, loader, epoch, first_step):
       if step % cfg.log_steps == 0:
         xm.add_step_closure(run.log.add, args=(epoch, step, run.global_step, loss, tracker,
                                                run.optimizer.param_groups[0]['lr']))
-      # The same answer on every replica; the end of the run if loss or weights run away, or a
+      # The same answer on every process; the end of the run if loss or weights run away, or a
       # label is none of the classes.
       stopping = run.stop.agreed_after_step(loss, labels, f'epoch {epoch} step {step}')
     steps += 1
@@ -242,7 +246,7 @@ def train_one_epoch(run, loader, epoch, first_step):
 
 
 def evaluate(model, loader, cfg):
-  """(accuracy %, correct, total) over all replicas; padding (label -1) is not counted."""
+  """(accuracy %, correct, total) over every image once; padding (label -1) is not counted."""
   model.eval()
   # Counted on the device and read once at the end: an .item() per step would sync.
   counts = torch.zeros(2, dtype=torch.int64, device=torch_xla.device())
@@ -256,7 +260,7 @@ def evaluate(model, loader, cfg):
 
 
 def save_checkpoint(run, epoch, step, best=False):
-  """Saves the training state after `step` steps of `epoch` (every replica); returns its path."""
+  """Saves the run after `step` steps of `epoch` (every process calls it); returns its path."""
   torch_xla.sync()  # Runs the step's log closure, ...
   run.log.flush()  # ... and waits for it: the history saved is whole.
   run.stop.check_losses()  # Nothing that ran away is saved.
@@ -281,8 +285,8 @@ def restore_checkpoint(run, state):
 
 
 def stop_run(run, epoch, step, saved=None):
-  """The end of a run stopped by SIGTERM or Ctrl-C at a step boundary: saves (unless `saved`
-  holds this very state), says so; returns the exit code (75 for SIGTERM, 130 for Ctrl-C)."""
+  """The end of a run stopped at a step boundary: saves (unless `saved` holds this very state),
+  says so; returns the exit code (75 for SIGTERM or SIGHUP, 130 for Ctrl-C)."""
   if saved is None and run.cfg.ckpt_dir:
     xm.master_print(f'Stopping at epoch {epoch} step {step}: saving a checkpoint ...', flush=True)
     saved = save_checkpoint(run, epoch, step)
@@ -312,9 +316,9 @@ def end_epoch(run, epoch, accuracy, counts):
 
 
 def train(cfg, stop_signal):
-  """One replica's run (stop_signal(): the signal it got, or 0); returns (its results, the exit
-  code) where it finishes, stops or diverges. A replica that fails raises: utils.replica, in
-  _mp_fn, says why and ends the run (exit code 2, or 1 and a traceback for a bug)."""
+  """This process's run (stop_signal(): the signal it got, or 0); returns (its results, the
+  exit code) where it finishes, stops or diverges. A replica that fails raises: utils.replica,
+  in _mp_fn, says why and ends the run (exit code 2, or 1 and a traceback for a bug)."""
   torch.manual_seed(cfg.seed)
   rank, world_size, device = xr.global_ordinal(), xr.world_size(), torch_xla.device()
   train_loader, test_loader, num_classes = load_data(cfg, rank, world_size)
@@ -338,7 +342,7 @@ def train(cfg, stop_signal):
       run.log.flush()  # Its lines before the epoch's.
       seconds = time.time() - start
       results['train_seconds'] += seconds
-      if stopped:  # By SIGTERM or Ctrl-C: saved here (--ckpt_dir); exit code 75 or 130.
+      if stopped:  # By SIGTERM, SIGHUP or Ctrl-C: saved here (--ckpt_dir); exit code 75 or 130.
         return results, stop_run(run, epoch, first_step + steps)
       print(f'Epoch {epoch} Replica Train Samples={steps * cfg.batch_size} Device={device}/{rank}',
             flush=True)

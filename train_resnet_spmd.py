@@ -9,8 +9,8 @@ statistics over the global batch). Run the same command on every worker of a pod
 host loads only its part of each global batch, from an ImageNet-style folder (--datadir) or
 constant fake batches (--fake_data). Without a TPU, CPU_NUM_DEVICES=4 gives four XLA:CPU
 devices. With --ckpt_dir, the same command started again goes on exactly where the last one
-stopped. SIGTERM (Ctrl-C) on any host: every host finishes the same step, process 0 saves,
-exit code 75 (130).
+stopped. SIGTERM or SIGHUP (Ctrl-C) on any host: every host finishes the same step, process 0
+saves, exit code 75 (130).
 
   python train_resnet_spmd.py --fake_data --model resnet18 --img_dim 32 \
       --batch_size 16 --num_epochs 2 --num_steps 40 --log_steps 10
@@ -123,8 +123,10 @@ def as_dict(samples):
 # ---------------------------------------------------------- your model and your data
 def build_model(cfg, num_classes):
   """The model to train: a torch.nn.Module from a float batch (N, C, H, W) to logits (N,
-  num_classes). Here: the torchvision classifier --model names. Put yours here; a --model
-  name of your own is then accepted. Called on every host, seeded with --seed."""
+  num_classes). Here: the torchvision classifier --model names. Put yours here; a --model name of
+  your own is then accepted. Called on every host, seeded with --seed. A --model it cannot build:
+  raise utils.UsageError saying what to give (one `error:` line, exit code 2); anything else it
+  raises is a bug: a traceback."""
   return utils.create_model(cfg.model, num_classes)
 
 
@@ -133,7 +135,9 @@ def build_datasets(cfg):
   datasets of (C x H x W uint8 or float tensor, integer label below the class count), all of
   one shape. The step normalises uint8 images on the device (utils.normalize, ImageNet's mean
   and std); float ones reach the model as they are. Here: --datadir's ImageNet-style folders,
-  as uint8. A utils.UsageError is said in one line.
+  as uint8. A mistake the user can fix (a path, a flag) raises utils.UsageError, a file
+  that cannot be read utils.BadDataError (each one `error:` line, exit code 2); anything else
+  it or its datasets raise is a bug: a traceback that ends there.
   Called on every host; their first and last samples are checked."""
   if not cfg.datadir:
     raise utils.UsageError('give --datadir DIR (DIR/train/CLASS/*.jpg, DIR/val/CLASS/*.jpg) '
@@ -245,10 +249,11 @@ def train_step(model, optimizer, scheduler, images, labels, cfg):
   optimizer.zero_grad()
   # --amp: bfloat16 has float32's range, so no gradient scaler (see docs/tpu.md).
   with torch.autocast('xla', dtype=torch.bfloat16, enabled=cfg.amp):
-    output = model(utils.normalize(images))  # The global batch's: the mean is over it.
+    output = model(utils.normalize(images))
     loss = F.cross_entropy(utils.check_scores(output, labels, cfg.num_classes), labels)
   loss.backward()
-  # Not xm.optimizer_step: the compiler has already summed the gradients over the mesh.
+  # Not xm.optimizer_step: the loss is the global batch's mean, whose gradients the compiler
+  # has already reduced over the mesh.
   optimizer.step()
   if scheduler is not None:
     scheduler.step()
@@ -269,7 +274,7 @@ def train_one_epoch(run, loader, epoch, first_step):
       if step % cfg.log_steps == 0:
         xm.add_step_closure(run.log.add, args=(epoch, step, run.global_step, loss, tracker,
                                                run.optimizer.param_groups[0]['lr']))
-      # The same answer on every host; the end of the run if loss or weights run away, or a
+      # The same answer on every process; the end of the run if loss or weights run away, or a
       # label is none of the classes.
       stopping = run.stop.agreed_after_step(loss, batch['labels'], f'epoch {epoch} step {step}')
     steps += 1
@@ -299,8 +304,7 @@ def evaluate(model, loader, cfg):
 
 
 def save_checkpoint(run, epoch, step, best=False):
-  """Saves the whole training state after `step` steps of `epoch`; returns its path. Every
-  host calls it at the same step; process 0 writes."""
+  """Saves the run after `step` steps of `epoch` (every process calls it); returns its path."""
   torch_xla.sync()  # Runs the step's log closure, ...
   run.log.flush()  # ... and waits for it: the history saved is whole.
   run.stop.check_losses()  # Nothing that ran away is saved.
@@ -325,8 +329,8 @@ def restore_checkpoint(run, state):
 
 
 def stop_run(run, epoch, step, saved=None):
-  """The end of a run stopped by SIGTERM or Ctrl-C at a step boundary: saves (unless `saved`
-  holds this very state), says so; returns the exit code (75 for SIGTERM, 130 for Ctrl-C)."""
+  """The end of a run stopped at a step boundary: saves (unless `saved` holds this very state),
+  says so; returns the exit code (75 for SIGTERM or SIGHUP, 130 for Ctrl-C)."""
   if saved is None and run.cfg.ckpt_dir:
     xm.master_print(f'Stopping at epoch {epoch} step {step}: saving a checkpoint ...', flush=True)
     saved = save_checkpoint(run, epoch, step)
@@ -367,9 +371,9 @@ def sharded(loader, mesh, device, cfg):
 
 
 def train(cfg, stop_signal):
-  """This host's run (stop_signal(): the signal it got, or 0); returns (its results, the exit
-  code) where it finishes, stops or diverges. A run that fails raises: main says why in one
-  line (exit code 2), or app.run prints the traceback of a bug (exit code 1)."""
+  """This process's run (stop_signal(): the signal it got, or 0); returns (its results, the
+  exit code) where it finishes, stops or diverges. A run that fails raises: main says why in
+  one line (exit code 2), or app.run prints the traceback of a bug (exit code 1)."""
   torch.manual_seed(cfg.seed)
   host, hosts, devices = xr.process_index(), xr.process_count(), xr.global_runtime_device_count()
   local_devices = xr.addressable_runtime_device_count()
@@ -393,7 +397,7 @@ def train(cfg, stop_signal):
       run.log.flush()  # Its lines before the epoch's.
       seconds = time.time() - start
       results['train_seconds'] += seconds
-      if stopped:  # By SIGTERM or Ctrl-C: saved here (--ckpt_dir); exit code 75 or 130.
+      if stopped:  # By SIGTERM, SIGHUP or Ctrl-C: saved here (--ckpt_dir); exit code 75 or 130.
         return results, stop_run(run, epoch, first_step + steps)
       print(f'Epoch {epoch} Host Train Samples={steps * cfg.batch_size * local_devices} '
             f'Devices={local_devices} of {devices} Host={host}', flush=True)

@@ -4,7 +4,7 @@
 No processes are spawned, so this is the script for debugging, for profiling one core and
 for small runs; train_resnet_mp.py runs the same job on every device of a host. Data: an
 ImageNet-style folder (--datadir) or constant fake batches (--fake_data). With --ckpt_dir,
-the same command started again goes on exactly where the last one stopped. SIGTERM
+the same command started again goes on exactly where the last one stopped. SIGTERM or SIGHUP
 (Ctrl-C): it finishes the step, saves, exit code 75 (130); a second Ctrl-C ends it at once.
 
   python train_single_core.py --fake_data --model resnet18 --img_dim 64 \
@@ -105,8 +105,10 @@ FAKE_TRAIN_SAMPLES, FAKE_TEST_SAMPLES, FAKE_CLASSES = 1_200_000, 50_000, 1000  #
 # ---------------------------------------------------------- your model and your data
 def build_model(cfg, num_classes):
   """The model to train: a torch.nn.Module from a float batch (N, C, H, W) to logits (N,
-  num_classes). Here: the torchvision classifier --model names. Put yours here; a --model
-  name of your own is then accepted. Called once, seeded with --seed."""
+  num_classes). Here: the torchvision classifier --model names. Put yours here; a --model name of
+  your own is then accepted. Called once, seeded with --seed. A --model it cannot build: raise
+  utils.UsageError saying what to give (one `error:` line, exit code 2); anything else it raises
+  is a bug: a traceback."""
   return utils.create_model(cfg.model, num_classes)
 
 
@@ -115,7 +117,9 @@ def build_datasets(cfg):
   datasets of (C x H x W uint8 or float tensor, integer label below the class count), all of
   one shape. The step normalises uint8 images on the device (utils.normalize, ImageNet's mean
   and std); float ones reach the model as they are. Here: --datadir's ImageNet-style folders,
-  as uint8. A utils.UsageError is said in one line.
+  as uint8. A mistake the user can fix (a path, a flag) raises utils.UsageError, a file
+  that cannot be read utils.BadDataError (each one `error:` line, exit code 2); anything else
+  it or its datasets raise is a bug: a traceback that ends there.
   Its first and last samples are checked at start."""
   if not cfg.datadir:
     raise utils.UsageError('give --datadir DIR (DIR/train/CLASS/*.jpg, DIR/val/CLASS/*.jpg) '
@@ -220,6 +224,8 @@ def train_one_epoch(run, loader, epoch, first_step):
       if step % cfg.log_steps == 0:
         xm.add_step_closure(run.log.add, args=(epoch, step, run.global_step, loss, tracker,
                                                run.optimizer.param_groups[0]['lr']))
+      # The same answer on every process; the end of the run if loss or weights run away, or a
+      # label is none of the classes.
       stopping = run.stop.agreed_after_step(loss, labels, f'epoch {epoch} step {step}')
     steps += 1
     run.global_step += 1
@@ -246,7 +252,7 @@ def evaluate(model, loader, cfg):
 
 
 def save_checkpoint(run, epoch, step, best=False):
-  """Saves the whole training state after `step` steps of `epoch`; returns its path."""
+  """Saves the run after `step` steps of `epoch` (every process calls it); returns its path."""
   torch_xla.sync()  # Runs the step's log closure, ...
   run.log.flush()  # ... and waits for it: the history saved is whole.
   run.stop.check_losses()  # Nothing that ran away is saved.
@@ -271,8 +277,8 @@ def restore_checkpoint(run, state):
 
 
 def stop_run(run, epoch, step, saved=None):
-  """The end of a run stopped by SIGTERM or Ctrl-C at a step boundary: saves (unless `saved`
-  holds this very state), says so; returns the exit code (75 for SIGTERM, 130 for Ctrl-C)."""
+  """The end of a run stopped at a step boundary: saves (unless `saved` holds this very state),
+  says so; returns the exit code (75 for SIGTERM or SIGHUP, 130 for Ctrl-C)."""
   if saved is None and run.cfg.ckpt_dir:
     xm.master_print(f'Stopping at epoch {epoch} step {step}: saving a checkpoint ...', flush=True)
     saved = save_checkpoint(run, epoch, step)
@@ -302,9 +308,9 @@ def end_epoch(run, epoch, accuracy, counts):
 
 
 def train(cfg, stop_signal):
-  """The run (stop_signal(): the signal this process got, or 0); returns (its results, the exit
-  code) where it finishes, stops or diverges. A run that fails raises: main says why in one
-  line (exit code 2), or app.run prints the traceback of a bug (exit code 1)."""
+  """This process's run (stop_signal(): the signal it got, or 0); returns (its results, the
+  exit code) where it finishes, stops or diverges. A run that fails raises: main says why in
+  one line (exit code 2), or app.run prints the traceback of a bug (exit code 1)."""
   torch.manual_seed(cfg.seed)
   rank, world_size, device = 0, 1, torch_xla.device()
   train_loader, test_loader, num_classes = load_data(cfg, rank, world_size)
@@ -328,7 +334,7 @@ def train(cfg, stop_signal):
       run.log.flush()  # Its lines before the epoch's.
       seconds = time.time() - start
       results['train_seconds'] += seconds
-      if stopped:  # By SIGTERM or Ctrl-C: saved here (--ckpt_dir); exit code 75 or 130.
+      if stopped:  # By SIGTERM, SIGHUP or Ctrl-C: saved here (--ckpt_dir); exit code 75 or 130.
         return results, stop_run(run, epoch, first_step + steps)
       print(f'Epoch {epoch} Replica Train Samples={steps * cfg.batch_size} Device={device}/{rank}',
             flush=True)

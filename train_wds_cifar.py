@@ -25,7 +25,8 @@ for a pod):
 
 With --ckpt_dir, the same command started again goes on exactly where the last one stopped
 (the epoch's stream is rebuilt from (seed, epoch); trained batches are read, not used).
-SIGTERM (Ctrl-C): every replica finishes the same step, the master saves, exit code 75 (130).
+SIGTERM or SIGHUP (Ctrl-C): every replica finishes the same step, the master saves, exit code 75
+(130).
 """
 
 import asyncio
@@ -57,11 +58,11 @@ flags.DEFINE_integer('trainsize', None, 'Training samples in the shards (all of 
 flags.DEFINE_integer('testsize', None, 'Test samples in the shards (all of them): checked, a '
                      'warning if the test shards hold another number; a loader worker reads at '
                      'most twice it (unset: twice --trainsize).', lower_bound=1)
+REQUIRED_FLAGS = ['wds_traindir', 'trainsize', 'wds_testdir']  # Of a command (see its entry point).
 flags.DEFINE_integer('shuffle_buffer', 10000, 'Samples each loader worker shuffles.', lower_bound=1)
 flags.DEFINE_bool('fail_on_bad_data', False, 'Stop at a bad shard or sample instead of skipping it.')
-flags.DEFINE_float('read_timeout', 20, 'Seconds in which each 4 MiB of a remote shard must arrive '
-                   '(a server that stops or trickles fails the read; 3 tries; a server that fails '
-                   '2 shards in a row ends the run: see docs/scripts.md).', lower_bound=0.1)
+flags.DEFINE_float('read_timeout', 20, 'Seconds in which each piece of a remote shard must arrive, '
+                   'or the read is tried again (see docs/scripts.md).', lower_bound=0.1)
 flags.DEFINE_string('model', 'resnet18', 'A torchvision ResNet (resnet18, resnet50, resnext50_32x4d, '
                     'wide_resnet50_2, ...), given the CIFAR stem, or a name build_model knows.')
 flags.DEFINE_integer('num_classes', None, 'Number of classes (labels 0..N-1). Unset: the lines of '
@@ -587,7 +588,7 @@ def train_one_epoch(run, loader, epoch, first_step):
       if step % cfg.log_steps == 0:
         xm.add_step_closure(run.log.add, args=(epoch, step, run.global_step, loss, tracker,
                                                run.optimizer.param_groups[0]['lr']))
-      # The same answer on every replica; the end of the run if loss or weights run away, or a
+      # The same answer on every process; the end of the run if loss or weights run away, or a
       # label is none of the classes.
       stopping = run.stop.agreed_after_step(loss, labels, f'epoch {epoch} step {step}')
     steps += 1
@@ -602,7 +603,7 @@ def train_one_epoch(run, loader, epoch, first_step):
 
 
 def evaluate(model, loader, cfg):
-  """(accuracy %, correct, total) over all replicas; padding (label -1) is not counted."""
+  """(accuracy %, correct, total) over every image once; padding (label -1) is not counted."""
   model.eval()
   # Counted on the device and read once at the end: an .item() per step would sync.
   counts = torch.zeros(2, dtype=torch.int64, device=torch_xla.device())
@@ -616,7 +617,7 @@ def evaluate(model, loader, cfg):
 
 
 def save_checkpoint(run, epoch, step, best=False):
-  """Saves the training state after `step` steps of `epoch` (every replica); returns its path."""
+  """Saves the run after `step` steps of `epoch` (every process calls it); returns its path."""
   torch_xla.sync()  # Runs the step's log closure, ...
   run.log.flush()  # ... and waits for it: the history saved is whole.
   run.stop.check_losses()  # Nothing that ran away is saved.
@@ -639,9 +640,10 @@ def restore_checkpoint(run, state):
   vars(run).update({key: state[key] for key in ('epoch', 'step', 'global_step', 'results')})
   return utils.new_recipe(run.optimizer, run.scheduler, state['flags'], vars(run.cfg))
 
+
 def stop_run(run, epoch, step, saved=None):
-  """The end of a run stopped by SIGTERM or Ctrl-C at a step boundary: saves (unless `saved`
-  holds this very state), says so; returns the exit code (75 for SIGTERM, 130 for Ctrl-C)."""
+  """The end of a run stopped at a step boundary: saves (unless `saved` holds this very state),
+  says so; returns the exit code (75 for SIGTERM or SIGHUP, 130 for Ctrl-C)."""
   if saved is None and run.cfg.ckpt_dir:
     xm.master_print(f'Stopping at epoch {epoch} step {step}: saving a checkpoint ...', flush=True)
     saved = save_checkpoint(run, epoch, step)
@@ -671,9 +673,9 @@ def end_epoch(run, epoch, accuracy, counts):
 
 
 def train(cfg, stop_signal):
-  """One replica's run (stop_signal(): the signal it got, or 0); returns (its results, the exit
-  code) where it finishes, stops or diverges. A replica that fails raises: utils.replica, in
-  _mp_fn, says why and ends the run (exit code 2, or 1 and a traceback for a bug)."""
+  """This process's run (stop_signal(): the signal it got, or 0); returns (its results, the
+  exit code) where it finishes, stops or diverges. A replica that fails raises: utils.replica,
+  in _mp_fn, says why and ends the run (exit code 2, or 1 and a traceback for a bug)."""
   torch.manual_seed(cfg.seed)
   rank, world_size, device = xr.global_ordinal(), xr.world_size(), torch_xla.device()
   train_loader, test_loader, num_classes = load_data(cfg, rank, world_size)
@@ -698,7 +700,7 @@ def train(cfg, stop_signal):
       seconds = time.time() - start
       results['train_seconds'] += seconds
       count_data(results, train_loader.order.read_counts(), epoch, rank, cfg.trainsize)
-      if stopped:  # By SIGTERM or Ctrl-C: saved here (--ckpt_dir); exit code 75 or 130.
+      if stopped:  # By SIGTERM, SIGHUP or Ctrl-C: saved here (--ckpt_dir); exit code 75 or 130.
         return results, stop_run(run, epoch, first_step + steps)
       print(f'Epoch {epoch} Replica Train Samples={steps * cfg.batch_size} Device={device}/{rank}',
             flush=True)
@@ -944,7 +946,7 @@ def open_shard(url, read_timeout):
   READ_PIECE, each within read_timeout s, so that a server that stops or trickles fails the
   read, and read again where a server fails (see RetriedReads). Over http(s) one stream (a
   server may not answer range requests); from gs://, a request for each piece."""
-  fs, path = fsspec.core.url_to_fs(url, **deadlines(url, read_timeout))
+  fs, path = utils.url_fs(url, read_timeout)  # Each request on its deadline.
   if isinstance(fs, fsspec.implementations.local.LocalFileSystem):
     return open(path, 'rb')  # Python's own: fsspec's wrapper adds a call to every read.
   if url.startswith(('http:', 'https:')):  # fsspec's async stream: each read, on a deadline.
@@ -955,22 +957,6 @@ def open_shard(url, read_timeout):
     def open_stream():
       return fs.open(path, 'rb', cache_type='none')
   return io.BufferedReader(RetriedReads(open_stream, url, read_timeout), READ_PIECE)
-
-
-def deadlines(url, seconds):
-  """The file system options that give each request a deadline, where the library has them
-  (aiohttp's timeouts, through which http(s) and gs:// read). http(s): seconds to connect and
-  to each byte of the answer's start; RetriedReads times each piece of its stream. gs://:
-  seconds for each whole request (a piece, or a file's size), which gcsfs does not try again
-  (it tries a refused or dropped connection and a 5xx answer 6 times itself). Other fsspec
-  URLs keep their library's limits."""
-  protocol = fsspec.utils.get_protocol(url)
-  if protocol in ('http', 'https'):
-    return dict(client_kwargs=dict(timeout=aiohttp.ClientTimeout(
-        total=None, sock_connect=seconds, sock_read=seconds)))
-  if protocol in ('gs', 'gcs'):
-    return dict(requests_timeout=aiohttp.ClientTimeout(total=seconds))
-  return {}
 
 
 def server_of(url):
@@ -1032,7 +1018,7 @@ class RetriedReads(io.RawIOBase):
     read gives what has come (a trickle: a byte), so it is read until the piece is whole,
     its first read (the request, the answer's start) within the deadline too."""
     if not self.http:
-      return self.stream.read(size)  # gs://: one request, on its deadline (see deadlines).
+      return self.stream.read(size)  # gs://: one request, on its deadline (see utils.url_fs).
     data, deadline = bytearray(), time.monotonic() + self.read_timeout
     while len(data) < size:
       left = deadline - time.monotonic()
@@ -1256,8 +1242,7 @@ if __name__ == '__main__':
   if utils.in_notebook():  # %run in a notebook: a command of its own, as run() starts it.
     run(sys.argv[1:])
   else:
-    # Here, not at import: the benchmarks and tests import this file without these flags.
-    flags.mark_flags_as_required(['wds_traindir', 'trainsize', 'wds_testdir'])
+    flags.mark_flags_as_required(REQUIRED_FLAGS)  # Here, not at import: the benchmarks import it.
     app.run(main, flags_parser=lambda argv: utils.parse_flags(argv, ELSEWHERE))
 elif __name__ == '__mp_main__':
   # A replica imports this file in its main thread, the only one that may catch a signal.

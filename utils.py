@@ -557,14 +557,19 @@ def write_results(path, results):
       raise UsageError(f'cannot write --results_json {path} ({e})') from None
 
 
-def url_fs(url):
-  """(file system, path) of an output's URL. A bucket's (gs://) requests each have
-  BUCKET_SECONDS (aiohttp's total timeout), which gcsfs does not try again: a stalled or
-  trickling bucket is an error in minutes, not a hang. Other URLs keep their library's."""
-  if fsspec.utils.get_protocol(url) not in ('gs', 'gcs'):
+def url_fs(url, seconds=None):
+  """(file system, path) of a URL, each request to a bucket or server on a deadline of `seconds`
+  (BUCKET_SECONDS unless given): one that stalls or trickles is an error, not a hang. Other
+  URLs keep their library's limits."""
+  seconds, protocol = seconds or BUCKET_SECONDS, fsspec.utils.get_protocol(url)
+  if protocol not in ('gs', 'gcs', 'http', 'https'):
     return fsspec.core.url_to_fs(url)
-  import aiohttp  # gcsfs's own: only for a bucket
-  return fsspec.core.url_to_fs(url, requests_timeout=aiohttp.ClientTimeout(total=BUCKET_SECONDS))
+  import aiohttp  # gcsfs's and fsspec's http's own: only for those
+  if protocol in ('gs', 'gcs'):  # The whole request, which gcsfs never tries again (it tries a
+    # refused or dropped connection and a 5xx answer 6 times).
+    return fsspec.core.url_to_fs(url, requests_timeout=aiohttp.ClientTimeout(total=seconds))
+  return fsspec.core.url_to_fs(url, client_kwargs=dict(timeout=aiohttp.ClientTimeout(
+      total=None, sock_connect=seconds, sock_read=seconds)))  # Each byte of the answer's start.
 
 
 def write_atomically(data, url):
@@ -778,11 +783,11 @@ def check_same_model(model, state, path, flag_values):
                   and state['flags'][name] != flag_values.get(name, state['flags'][name])]
     how = ((f' by {saved} (this is {script})' if saved != script else '') +
            (' with ' + ', '.join(flags_then) if flags_then else ''))
-    raise UsageError(f'checkpoint {path} was made for another model or number of classes '
-                     f'({len(differ)} weight(s) differ, e.g. {first}: '
-                     f'{theirs.get(first, "absent")} there, {ours.get(first, "absent")} here' +
-                     (f'; it was saved{how}' if how else '') + '): use the flags of that run, '
-                     'or another --ckpt_dir')
+    raise UsageError(f'checkpoint {path} holds another model: {first} is '
+                     f'{theirs.get(first, "absent")} there, {ours.get(first, "absent")} here '
+                     f'({len(differ)} of its {len(theirs)} weights differ)' +
+                     (f'; it was saved{how}' if how else '') +
+                     ': give the flags of that run, or another --ckpt_dir')
 
 
 def checkpoint_to_resume(resume_path, ckpt_dir, model, flag_values, world_size,

@@ -164,11 +164,10 @@ def test_checkpoint_of_another_script_and_model_names_what_differs(reference, da
   before = (ckpt_dir / 'ckpt-00000016.pt').read_bytes()
   result = run_script(SCRIPT, *flags(data, ckpt_dir, '--model', 'resnet34'))
   assert_one_error(result, 2, (
-      r'^error: checkpoint \S+ckpt-00000016\.pt was made for another model or number of classes '
-      r'\(\d+ weight\(s\) differ, e\.g\. conv1\.weight: \[64, 3, 3, 3\] there, \[64, 3, 7, 7\] '
-      r'here; it was saved by train_wds_cifar\.py \(this is train_single_core\.py\) with '
-      r'--model resnet18 \(resnet34 now\), --img_dim 32 \(24 now\)\): use the flags of that run, '
-      r'or another --ckpt_dir$'))
+      r'^error: checkpoint \S+ckpt-00000016\.pt holds another model: conv1\.weight is \[64, 3, 3, '
+      r'3\] there, \[64, 3, 7, 7\] here \(\d+ of its \d+ weights differ\); it was saved by '
+      r'train_wds_cifar\.py \(this is train_single_core\.py\) with --model resnet18 \(resnet34 '
+      r'now\), --img_dim 32 \(24 now\): give the flags of that run, or another --ckpt_dir$'))
   assert (ckpt_dir / 'ckpt-00000016.pt').read_bytes() == before
 
 
