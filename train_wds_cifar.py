@@ -237,9 +237,10 @@ def parse(sample, num_classes):
 def decode(image_key, data):
   """The image of an image file of a sample as a uint8 tensor (3 x H x W): rgb (raw 32x32x3
   bytes) and npy (uint8 H x W x 3) by numpy, a plain ppm without PIL, the others (JPEG, PNG,
-  WebP, ...) as the image-folder scripts read files (utils.decode_image: libjpeg-turbo). An
-  image that cannot be decoded (what PIL and numpy raise of one) is a BadSample: skipped, its
-  place in the batch taken by another. Anything else is a bug: a traceback that ends here."""
+  WebP, ...) as the image-folder scripts read files (utils.decode_image: libjpeg-turbo). What
+  PIL and numpy raise of an image that cannot be decoded, a ValueError, OSError or EOFError
+  anywhere in its try, is a BadSample: skipped, its place in the batch taken by another.
+  Anything else is a bug: a traceback that ends here."""
   try:
     if image_key == 'rgb':
       image = np.frombuffer(data, np.uint8).reshape(RGB_SIDE, RGB_SIDE, 3)
@@ -886,16 +887,17 @@ def read_samples(urls, parse, on_bad, read_timeout):
   for url in urls:
     shard = Shard(url, read_timeout)
     held = None  # What is wrong with the sample just read, said once the next one comes.
-    for sample in shard:
-      if held:
-        on_bad(held)
-      where, held = f'sample {sample["__key__"]} of {url}', None
-      try:
-        parsed = parse(sample)  # Outside the shard's reading: none of its errors is the shard's.
-      except BadSample as e:
-        held = e.at(where)
-        continue
-      yield (where, *parsed)
+    with contextlib.closing(iter(shard)) as samples:  # Its stream closed, however this ends.
+      for sample in samples:
+        if held:
+          on_bad(held)
+        where, held = f'sample {sample["__key__"]} of {url}', None
+        try:
+          parsed = parse(sample)  # Outside the shard's reading: none of its errors is the shard's.
+        except BadSample as e:
+          held = e.at(where)
+          continue
+        yield (where, *parsed)
     if held and not shard.cut_short:  # The last sample of a tar cut short lacks a file: ...
       on_bad(held)
     if shard.cut_short:  # ... the cut is said, not that.
@@ -1242,7 +1244,7 @@ if __name__ == '__main__':
   if utils.in_notebook():  # %run in a notebook: a command of its own, as run() starts it.
     run(sys.argv[1:])
   else:
-    flags.mark_flags_as_required(REQUIRED_FLAGS)  # Here, not at import: the benchmarks import it.
+    flags.mark_flags_as_required(REQUIRED_FLAGS)  # Not at import: benchmarks and tests import it.
     app.run(main, flags_parser=lambda argv: utils.parse_flags(argv, ELSEWHERE))
 elif __name__ == '__mp_main__':
   # A replica imports this file in its main thread, the only one that may catch a signal.

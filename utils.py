@@ -558,18 +558,18 @@ def write_results(path, results):
 
 
 def url_fs(url, seconds=None):
-  """(file system, path) of a URL, each request to a bucket or server on a deadline of `seconds`
-  (BUCKET_SECONDS unless given): one that stalls or trickles is an error, not a hang. Other
-  URLs keep their library's limits."""
-  seconds, protocol = seconds or BUCKET_SECONDS, fsspec.utils.get_protocol(url)
-  if protocol not in ('gs', 'gcs', 'http', 'https'):
+  """(file system, path) of a URL. Each request to a bucket (gs://) has `seconds` (BUCKET_SECONDS
+  unless given; gcsfs tries a late one no more): a stalled or trickling bucket is an error, not a
+  hang. Given `seconds`, so have a server's (http(s)) connection and each byte of its answer's
+  start. Other URLs keep their library's limits."""
+  protocol = fsspec.utils.get_protocol(url)
+  if protocol not in ('gs', 'gcs') and not (seconds and protocol in ('http', 'https')):
     return fsspec.core.url_to_fs(url)
-  import aiohttp  # gcsfs's and fsspec's http's own: only for those
-  if protocol in ('gs', 'gcs'):  # The whole request, which gcsfs never tries again (it tries a
-    # refused or dropped connection and a 5xx answer 6 times).
-    return fsspec.core.url_to_fs(url, requests_timeout=aiohttp.ClientTimeout(total=seconds))
-  return fsspec.core.url_to_fs(url, client_kwargs=dict(timeout=aiohttp.ClientTimeout(
-      total=None, sock_connect=seconds, sock_read=seconds)))  # Each byte of the answer's start.
+  from aiohttp import ClientTimeout  # gcsfs's and fsspec's http's own: only for those
+  if protocol in ('gs', 'gcs'):
+    return fsspec.core.url_to_fs(url, requests_timeout=ClientTimeout(total=seconds or BUCKET_SECONDS))
+  return fsspec.core.url_to_fs(url, client_kwargs=dict(
+      timeout=ClientTimeout(sock_connect=seconds, sock_read=seconds)))
 
 
 def write_atomically(data, url):
@@ -785,7 +785,7 @@ def check_same_model(model, state, path, flag_values):
            (' with ' + ', '.join(flags_then) if flags_then else ''))
     raise UsageError(f'checkpoint {path} holds another model: {first} is '
                      f'{theirs.get(first, "absent")} there, {ours.get(first, "absent")} here '
-                     f'({len(differ)} of its {len(theirs)} weights differ)' +
+                     f'({len(differ)} of {len(ours.keys() | theirs.keys())} weights differ)' +
                      (f'; it was saved{how}' if how else '') +
                      ': give the flags of that run, or another --ckpt_dir')
 

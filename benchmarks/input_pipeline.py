@@ -156,7 +156,7 @@ def shard_loader(urls, count, workers, img_dim=32, num_classes=10, seed=0):
   shards = train_wds_cifar.TrainShards(urls, 0, 1, batches, SimpleNamespace(
       batch_size=FLAGS.batch_size, shuffle_buffer=count, img_dim=img_dim,
       num_classes=num_classes, seed=seed, fail_on_bad_data=True, num_workers=workers,
-      read_timeout=20, trainsize=count))
+      read_timeout=FLAGS['read_timeout'].default, trainsize=count))
   # Workers live through the passes, as through the epochs of the training scripts.
   return utils.EpochLoader(torch.utils.data.DataLoader(
       shards, batch_size=None, num_workers=workers, persistent_workers=workers > 0), batches,
@@ -414,7 +414,7 @@ def step_costs(root, sources, samples, cold):
       readers[f'{name}: read a sample from the tar'] = lambda urls=urls: [
           data for _, _, data, _ in itertools.islice(train_wds_cifar.read_samples(
               urls, functools.partial(train_wds_cifar.parse, num_classes=sys.maxsize),
-              train_wds_cifar.BadData(True), 20), samples)]
+              train_wds_cifar.BadData(True), FLAGS['read_timeout'].default), samples)]
   costs, photos = [], None
   for cache in ('warm', 'cold') if cold else ('warm',):
     for step, read in readers.items():
