@@ -32,7 +32,6 @@ SIGTERM or SIGHUP (Ctrl-C): every replica finishes the same step, the master sav
 import asyncio
 import bz2
 import contextlib
-import functools
 import gzip
 import io
 import itertools
@@ -400,9 +399,9 @@ class TrainShards(torch.utils.data.IterableDataset):
     short last shard is the writer's way, fewer is a wrong --trainsize or lost data."""
     for pass_number in itertools.count():
       shuffle = wds.shuffle(self.cfg.shuffle_buffer, initial=self.cfg.batch_size, rng=rng)
-      samples, read = read_samples(rng.sample(shards, len(shards)), functools.partial(
-          parse, num_classes=self.cfg.num_classes), on_bad, self.cfg.read_timeout), 0
-      for sample in shuffle(samples):
+      read = 0
+      for sample in shuffle(read_samples(rng.sample(shards, len(shards)), parse,
+                                         self.cfg.num_classes, on_bad, self.cfg.read_timeout)):
         read += 1
         yield *sample, pass_number
       if read == 0:
@@ -472,8 +471,8 @@ class TestShards(torch.utils.data.IterableDataset):
     size = self.cfg.test_set_batch_size
     bad = BadData(self.cfg.fail_on_bad_data, self.counts, worker)
     batch, limit = [], 2 * (self.cfg.testsize or self.cfg.trainsize)
-    samples = read_samples(self.urls[worker::num_workers], functools.partial(
-        parse, num_classes=self.cfg.num_classes), bad, self.cfg.read_timeout)
+    samples = read_samples(self.urls[worker::num_workers], parse, self.cfg.num_classes, bad,
+                           self.cfg.read_timeout)
     for number, (where, image_key, data, label) in enumerate(samples, 1):
       if number > limit:  # The pace limits cannot see a server that sends samples without end.
         raise utils.BadDataError(
@@ -785,8 +784,7 @@ def main(argv):
       for flag, urls in found.items():
         if urls:
           supervisor.check_format(flag, urls[0], lambda urls, on_bad: read_samples(
-              urls, functools.partial(parse, num_classes=cfg.num_classes), on_bad,
-              cfg.read_timeout))
+              urls, parse, cfg.num_classes, on_bad, cfg.read_timeout))
       print(describe_data(cfg, classes))
       print(supervisor.describe_model(cfg.model, build_model(cfg, cfg.num_classes), cfg.num_classes))
       given = {name for name in FLAGS if FLAGS[name].present}
@@ -875,9 +873,9 @@ class BadShard(Exception):
   """A shard that is missing or cannot be read to the end, saying which and why."""
 
 
-def read_samples(urls, parse, on_bad, read_timeout):
-  """(where, *parse(sample)) of every sample of the shards in turn, `where` naming it in a
-  message; parse is the script's hook (its num_classes given). Each failure is handed to on_bad
+def read_samples(urls, parse, num_classes, on_bad, read_timeout):
+  """(where, *parse(sample, num_classes)) of every sample of the shards in turn, `where` naming
+  it in a message; parse is the script's hook. Each failure is handed to on_bad
   as an exception that says what and where (BadShard; parse's BadSample or ForeignSample),
   which raises or counts it, and reading goes on: a bad sample is skipped, the rest of its
   shard read. But a server that failed DOWN_AFTER shards in a row is down, and ends the run.
@@ -893,7 +891,7 @@ def read_samples(urls, parse, on_bad, read_timeout):
           on_bad(held)
         where, held = f'sample {sample["__key__"]} of {url}', None
         try:
-          parsed = parse(sample)  # Outside the shard's reading: none of its errors is the shard's.
+          parsed = parse(sample, num_classes)  # Outside the shard's reading: not its errors.
         except BadSample as e:
           held = e.at(where)
           continue

@@ -413,8 +413,8 @@ def step_costs(root, sources, samples, cold):
     if urls:
       readers[f'{name}: read a sample from the tar'] = lambda urls=urls: [
           data for _, _, data, _ in itertools.islice(train_wds_cifar.read_samples(
-              urls, functools.partial(train_wds_cifar.parse, num_classes=sys.maxsize),
-              train_wds_cifar.BadData(True), FLAGS['read_timeout'].default), samples)]
+              urls, train_wds_cifar.parse, sys.maxsize, train_wds_cifar.BadData(True),
+              FLAGS['read_timeout'].default), samples)]
   costs, photos = [], None
   for cache in ('warm', 'cold') if cold else ('warm',):
     for step, read in readers.items():

@@ -96,8 +96,7 @@ def never(message):
 def samples_of(urls, on_bad=never, num_classes=10, read_timeout=20):
   """(where, image file key, its bytes, label) of every sample of the shards, as the script's
   pipeline reads them (with its parse)."""
-  return wds_cifar.read_samples(urls, functools.partial(wds_cifar.parse, num_classes=num_classes),
-                                on_bad, read_timeout)
+  return wds_cifar.read_samples(urls, wds_cifar.parse, num_classes, on_bad, read_timeout)
 
 
 def decoded(urls, on_bad=never, num_classes=10):
@@ -545,25 +544,21 @@ def test_a_copiers_parse_skips_the_sample_it_refuses_and_raises_its_own_bugs(tmp
   # b alone is skipped, c and d are read, the warning names b.
   shard = json_shard(tmp_path / 'j.tar', ['{"label": 1}', '{"label": 2', '{"label": 3}', '{"label": 0}'])
   skipped = []
-  read = list(wds_cifar.read_samples([shard], functools.partial(adapt_parse(), num_classes=4),
-                                     skipped.append, 20))
+  read = list(wds_cifar.read_samples([shard], adapt_parse(), 4, skipped.append, 20))
   assert [label for *_, label in read] == [1, 3, 0]
   assert [str(e) for e in skipped] == [
       f'sample b of {shard} has no label in its json file (JSONDecodeError: Expecting \',\' '
       'delimiter: line 1 column 12 (char 11))']
   with pytest.raises(utils.BadDataError, match=rf'^sample b of {re.escape(shard)} has no label .*: '
                      'replace it, or drop --fail_on_bad_data to skip it$'):
-    list(wds_cifar.read_samples([shard], functools.partial(adapt_parse(), num_classes=4),
-                                wds_cifar.BadData(strict=True), 20))
+    list(wds_cifar.read_samples([shard], adapt_parse(), 4, wds_cifar.BadData(strict=True), 20))
   # A parse that lets the json's error out, or reads a label that is not there: its bug, raised
   # as it is at sample b, from its own line; no shard blamed, nothing skipped.
   no_label = json_shard(tmp_path / 'k.tar', ['{"label": 1}', '{"class": 2}', '{"label": 3}'])
   for shard, error in ((shard, json.JSONDecodeError), (no_label, KeyError)):
     skipped, read = [], []
     with pytest.raises(error) as raised:
-      for sample in wds_cifar.read_samples([shard], functools.partial(careless_parse,
-                                                                      num_classes=4),
-                                           skipped.append, 20):
+      for sample in wds_cifar.read_samples([shard], careless_parse, 4, skipped.append, 20):
         read.append(sample)
     assert [label for *_, label in read] == [1] and skipped == []
     ours = [entry for entry in raised.traceback if entry.path == pathlib.Path(__file__)]
