@@ -51,11 +51,13 @@ for _noisy in ('gcsfs', 'google.auth', 'fsspec'):
 # ----------------------------------------------------------------- the checks before the start
 
 
-def check_job(cfg, build_datasets, build_model, fake_classes, given, recipe=None):
+def check_job(cfg, build_datasets, build_model, fake_classes, given, recipe=None,
+              build_optimizer=None):
   """Builds the data and the model once, before any replica starts, and says what they are:
   bad input is one line, not one per replica. Caps cfg.num_workers at the CPUs there are and
   probes the output folders. given: the flags the user gave; recipe: (its name, the settings
-  it fills in where not given), for the "Recipe:" line."""
+  it fills in where not given), for the "Recipe:" line, which names the optimizer that
+  build_optimizer(cfg, model) makes, if given (else SGD)."""
   if cfg.fake_data:
     num_classes = fake_classes
     print(f'Data: fake, constant batches of 3x{cfg.img_dim}x{cfg.img_dim}, {num_classes} classes')
@@ -69,7 +71,8 @@ def check_job(cfg, build_datasets, build_model, fake_classes, given, recipe=None
   print(describe_model(cfg.model, model, num_classes))
   if not cfg.fake_data:
     check_model_takes(model, train_set[0][0])
-  print(describe_recipe(cfg, recipe_source(given, *recipe or (None, {}))), flush=True)
+  optimizer = build_optimizer(cfg, model) if build_optimizer else None
+  print(describe_recipe(cfg, recipe_source(given, *recipe or (None, {})), optimizer), flush=True)
   check_outputs(cfg.ckpt_dir, cfg.logdir, cfg.results_json, cfg.compile_cache_dir)
 
 
@@ -154,14 +157,18 @@ def recipe_source(given, recipe, filled):
   return ', '.join(parts)
 
 
-def describe_recipe(cfg, source):
-  """The line that says which optimiser settings a run uses, and where they came from."""
+def describe_recipe(cfg, source, optimizer=None):
+  """The line that says which optimiser settings a run uses (the optimizer's own, if given),
+  and where they came from."""
   schedule = 'constant'
   if cfg.lr_scheduler_type == 'WarmupAndExponentialDecayScheduler':
     schedule = (f'linear warm-up over {cfg.lr_warmup_epochs:g} epochs, then divided by '
                 f'{cfg.lr_scheduler_divisor:g} every {cfg.lr_scheduler_divide_every_n_epochs} epochs')
-  return (f'Recipe: SGD, lr {cfg.lr:g} {schedule}, momentum {cfg.momentum:g}, weight decay '
-          f'{cfg.weight_decay:g} ({source})')
+  settings = (optimizer.defaults if optimizer else
+              dict(lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay))
+  momentum = f', momentum {settings["momentum"]:g}' if 'momentum' in settings else ''
+  return (f'Recipe: {type(optimizer).__name__ if optimizer else "SGD"}, lr {settings["lr"]:g} '
+          f'{schedule}{momentum}, weight decay {settings.get("weight_decay", 0):g} ({source})')
 
 
 def usable_workers(num_workers, given):

@@ -1,29 +1,46 @@
 # SPDX-License-Identifier: BSD-3-Clause
-"""Data-parallel training of a torchvision classifier the SPMD way, on every XLA device of a
-host or pod, from ONE process per host.
+"""Training of a torchvision classifier the SPMD way, on every XLA device of a host or pod,
+from ONE process per host: data parallel, or with the weights sharded (a model larger than one
+chip).
 
-xr.use_spmd() makes the devices of all hosts one mesh; each batch is sharded over it along
-its first dimension ('data') and the model is replicated, so XLA compiles one program for
-all devices and inserts the gradient all-reduce itself (a plain optimizer.step(); BatchNorm
-statistics over the global batch). Run the same command on every worker of a pod: each
-host loads only its part of each global batch, from an ImageNet-style folder (--datadir) or
-constant fake batches (--fake_data). Without a TPU, CPU_NUM_DEVICES=4 gives four XLA:CPU
-devices. With --ckpt_dir, the same command started again goes on exactly where the last one
-stopped. SIGTERM or SIGHUP (Ctrl-C) on any host: every host finishes the same step, process 0
-saves, exit code 75 (130).
+xr.use_spmd() makes the devices of all hosts one mesh; each batch is sharded over it along its
+first dimension, so XLA compiles one program for all devices and inserts the collectives itself
+(a plain optimizer.step(); BatchNorm statistics over the global batch). --sharding batch
+replicates the model on every device; fsdp shards each weight, its gradient and its optimizer
+state over the devices (FSDPv2); hybrid does so within groups of --fsdp_size devices (docs/
+large_models.md). Run the same command on every worker of a pod: each host loads only its part
+of each global batch, from an ImageNet-style folder (--datadir) or constant fake batches
+(--fake_data). Without a TPU, CPU_NUM_DEVICES=4 gives four XLA:CPU devices. With --ckpt_dir,
+each host saves its own shards (torch.distributed.checkpoint), and the same command started
+again goes on exactly where the last one stopped, on this mesh or another. SIGTERM or SIGHUP
+(Ctrl-C) on any host: every host finishes the same step and saves, exit code 75 (130).
 
   python train_resnet_spmd.py --fake_data --model resnet18 --img_dim 32 \
       --batch_size 16 --num_epochs 2 --num_steps 40 --log_steps 10
 """
 
+import asyncio
+import functools
+import math
 import os
+import pickle
 import sys
 import time
+import warnings
 from types import SimpleNamespace
 
 from absl import app, flags
 
 FLAGS = flags.FLAGS
+flags.DEFINE_string('sharding', 'batch', 'How the model lies on the N devices. batch: each device '
+                    'holds the whole model, its gradients and optimizer state. fsdp: each holds 1/N '
+                    "of each weight, gradient and optimizer state, and a block's whole weights only "
+                    'while the block runs. hybrid: as fsdp within groups of --fsdp_size devices, '
+                    'each group a copy. Each device takes 1/N of the global batch in every mode.')
+flags.DEFINE_integer('fsdp_size', None, "--sharding hybrid: the devices that share one copy of the "
+                     "weights (one slice's, say); it divides the devices.", lower_bound=1)
+flags.DEFINE_bool('use_gradient_checkpointing', False, "Recompute each block's activations (see "
+                  'BLOCKS) in the backward instead of keeping them: less memory, more compute.')
 flags.DEFINE_bool('fake_data', False, 'Train on constant fake batches instead of --datadir.')
 flags.DEFINE_string('datadir', None, 'ImageNet-style folder: DIR/train/CLASS/*.jpg, DIR/val/CLASS/*.jpg.')
 flags.DEFINE_string('model', 'resnet50', 'A torchvision classifier (resnet18, ...) or a name build_model knows.')
@@ -66,6 +83,16 @@ flags.DEFINE_integer('ckpt_every_steps', None, 'Also save every N steps.', lower
 flags.DEFINE_integer('keep_checkpoints', 2, 'Checkpoints kept, besides best.pt.', lower_bound=1)
 flags.DEFINE_string('resume', None, 'Resume from this checkpoint instead of the newest in --ckpt_dir.')
 flags.DEFINE_string('compile_cache_dir', None, "torch_xla's compile cache, on this host's disk: a restart loads graphs, not compiles (TPU).")
+flags.register_validator('sharding', lambda mode: mode not in ('spatial', 'conv', 'linear'),
+                         "upstream's spatial, conv and linear shard one layer's activations as "
+                         'demonstrations; a model larger than one chip trains with --sharding fsdp '
+                         '(hybrid across slices)')
+flags.register_validator('sharding', lambda mode: mode in ('batch', 'fsdp', 'hybrid'),
+                         'give batch, fsdp or hybrid')
+flags.register_multi_flags_validator(
+    ['sharding', 'fsdp_size'], lambda given: (given['sharding'] == 'hybrid') == bool(given['fsdp_size']),
+    '--sharding hybrid takes --fsdp_size N (the devices that hold one copy of the weights), and '
+    'only it')
 
 # --help answers here, before torch and torch_xla load (seconds): absl prints it as it parses.
 # (In a notebook, %run goes through run(), below.)
@@ -84,6 +111,7 @@ if (__name__ == '__main__' and 'IPython' not in sys.modules and
 
 import numpy as np
 import torch
+import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 import torch_xla
 import torch_xla.core.xla_model as xm
@@ -94,7 +122,14 @@ import torch_xla.distributed.spmd as xs
 import torch_xla.runtime as xr
 import torch_xla.test.test_utils as test_utils
 import torch_xla.utils.utils as xu
+import torchvision
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 from torch.utils.tensorboard import SummaryWriter
+from torch_xla.distributed.fsdp import checkpoint_module
+from torch_xla.distributed.fsdp.wrap import transformer_auto_wrap_policy
+from torch_xla.experimental.distributed_checkpoint import SPMDLoadPlanner, SPMDSavePlanner
+from torch_xla.experimental.spmd_fully_sharded_data_parallel import \
+    SpmdFullyShardedDataParallel as FSDPv2
 from torchvision.transforms import v2
 
 import utils
@@ -106,6 +141,11 @@ except ModuleNotFoundError as e:
     raise
   supervisor = None
 
+# Warnings of torch 2.9 about torch_xla 2.9's own code (FSDPv2's backward hook, the checkpoint
+# planners), at every step or save: nothing a user of this script can act on.
+for message in ('Full backward hook is firing', r'The function definition for \w+Planner',
+                'TypedStorage is deprecated', 'Using a non-tuple sequence'):
+  warnings.filterwarnings('ignore', message=message)
 utils.redefinable(FLAGS)  # A notebook may import several scripts or %run one again.
 
 FAKE_TRAIN_SAMPLES, FAKE_TEST_SAMPLES, FAKE_CLASSES = 1_200_000, 50_000, 1000  # ImageNet's
@@ -128,6 +168,22 @@ def build_model(cfg, num_classes):
   raise utils.UsageError saying what to give (one `error:` line, exit code 2); anything else it
   raises is a bug: a traceback."""
   return utils.create_model(cfg.model, num_classes)
+
+
+# The model's blocks: each instance of these classes is one unit under --sharding fsdp and hybrid
+# (its weights gathered whole only while it runs) and under --use_gradient_checkpointing (its
+# activations recomputed in the backward). Put your model's repeated block here (a transformer
+# layer, say): a module with a forward of its own that takes and returns tensors.
+BLOCKS = (torchvision.models.resnet.BasicBlock, torchvision.models.resnet.Bottleneck)
+
+
+def build_optimizer(cfg, model):
+  """The optimizer of the model's parameters (sharded ones under fsdp: its state is made on
+  their devices, sharded alike). Here: SGD with --lr, --momentum and --weight_decay. Put yours
+  here (docs/adapt.md shows AdamW); a restore gives back its state_dict whatever it holds.
+  A flag value it cannot take: raise utils.UsageError (one `error:` line, exit code 2)."""
+  return torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum,
+                         weight_decay=cfg.weight_decay)
 
 
 def build_datasets(cfg):
@@ -196,7 +252,7 @@ class MeshStopVote(utils.StopVote):
   def __init__(self, device, stop_signal, optimizer, num_classes, mesh):
     super().__init__(device, stop_signal, optimizer, num_classes)
     local = torch.ones(xr.addressable_runtime_device_count())
-    spec = xs.ShardingSpec(mesh, ('data',), minibatch=True)
+    spec = xs.ShardingSpec(mesh, (('data', 'fsdp'),), minibatch=True)
     self.flags = tuple(xm.send_cpu_data_to_device(local * flag, device, spec)[0] for flag in (0, 1))
     self.agree(False)  # Compiles the epoch end's vote before epoch 1 ends.
 
@@ -215,11 +271,9 @@ def start_run(cfg, num_classes, steps_per_epoch, stop_signal, mesh):
   checkpoint if there is one; run.epoch and run.step are where training goes on."""
   device = torch_xla.device()  # One device that stands for the whole mesh.
   cfg.num_classes = num_classes  # train_step checks the model's output against it.
-  # Replicated on every device; every host builds the same weights from the same seed.
-  model = build_model(cfg, num_classes)
-  model = model.to(device)
-  optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum,
-                              weight_decay=cfg.weight_decay)
+  # Every host builds the same weights from the same seed, and keeps its devices' shards.
+  model = shard_model(build_model(cfg, num_classes), mesh, cfg)
+  optimizer = build_optimizer(cfg, model)
   scheduler = None
   if cfg.lr_scheduler_type == 'WarmupAndExponentialDecayScheduler':
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: utils.warmup_step_decay(
@@ -235,14 +289,39 @@ def start_run(cfg, num_classes, steps_per_epoch, stop_signal, mesh):
                         steps_per_epoch=steps_per_epoch,
                         results=results, num_classes=num_classes, epoch=1, step=0,
                         global_step=0)
-  path, state = utils.checkpoint_to_resume(cfg.resume, cfg.ckpt_dir, model, vars(cfg),
-                                           run.results['world_size'])
+  path, state = utils.checkpoint_to_resume(cfg.resume, cfg.ckpt_dir, weights(model), vars(cfg),
+                                           run.results['world_size'], sharded=True)
   if state is not None:
     utils.say_resumed(path, state, vars(cfg), restore_checkpoint(run, state))
   run.log = utils.StepLog(device, writer, run.results['history'])  # After the restore.
   # The profiler serves TensorBoard's captures while this run is held (until train returns).
   run.profiler = xp.start_server(cfg.profiler_port) if cfg.profile else None
   return run
+
+
+def shard_model(model, mesh, cfg):
+  """The model on the mesh, by --sharding: whole on every device (batch), or each of its BLOCKS,
+  then the rest, wrapped in FSDPv2, which shards each weight over the mesh's 'fsdp' axis (along
+  its largest dimension) and gathers a block's whole weights only while it runs. With
+  --use_gradient_checkpointing, each block recomputes its activations in the backward."""
+  if cfg.sharding == 'batch':
+    if cfg.use_gradient_checkpointing:
+      for module in model.modules():
+        if isinstance(module, BLOCKS):
+          checkpoint_module(module)  # Wraps its forward, in place.
+    return model.to(torch_xla.device())
+  wrap = ((lambda module, *args, **kwargs: FSDPv2(checkpoint_module(module), *args, **kwargs))
+          if cfg.use_gradient_checkpointing else None)
+  # extra_data_axis: the output (the logits) sharded along the batch, as the input is.
+  return FSDPv2(model, mesh=mesh, extra_data_axis='data', auto_wrapper_callable=wrap,
+                auto_wrap_policy=functools.partial(transformer_auto_wrap_policy,
+                                                   transformer_layer_cls=set(BLOCKS)))
+
+
+def weights(model):
+  """The model's state_dict under the names of the model unwrapped (FSDPv2 adds _orig_module.):
+  a checkpoint names its weights alike under every --sharding."""
+  return {name.replace('_orig_module.', ''): tensor for name, tensor in model.state_dict().items()}
 
 
 def train_step(model, optimizer, scheduler, images, labels, cfg):
@@ -308,17 +387,17 @@ def save_checkpoint(run, epoch, step, best=False):
   torch_xla.sync()  # Runs the step's log closure, ...
   run.log.flush()  # ... and waits for it: the history saved is whole.
   run.stop.check_losses()  # Nothing that ran away is saved.
-  state = dict(model=run.model.state_dict(), optimizer=run.optimizer.state_dict(),
+  state = dict(model=weights(run.model), optimizer=run.optimizer.state_dict(),
                lr_scheduler=run.scheduler.state_dict() if run.scheduler else None, epoch=epoch,
                step=step, global_step=run.global_step, flags=vars(run.cfg),
                rng=dict(torch=torch.get_rng_state(), xla=xm.get_rng_state()), results=run.results)
-  return utils.write_checkpoint(state, run.cfg.ckpt_dir, run.cfg.keep_checkpoints, best)
+  return write_sharded(state, run.cfg.ckpt_dir, run.cfg.keep_checkpoints, best)
 
 
 def restore_checkpoint(run, state):
   """Puts save_checkpoint's state back into the run, with the --lr, --momentum and
   --weight_decay given now (utils.new_recipe); returns what those changed."""
-  run.model.load_state_dict(state['model'])
+  state = read_sharded(state, run.model, run.optimizer)  # The weights in place; the rest returned.
   run.optimizer.load_state_dict(state['optimizer'])
   if run.scheduler is not None and state['lr_scheduler'] is not None:
     run.scheduler.load_state_dict(state['lr_scheduler'])
@@ -359,11 +438,50 @@ def end_epoch(run, epoch, accuracy, counts):
   return epoch < run.cfg.num_epochs and run.stop.agreed_at_epoch_end(), saved
 
 
+def build_mesh(cfg, devices, hosts):
+  """The mesh of every device: a 'data' axis of copies of the weights, and an 'fsdp' axis over
+  which each copy is sharded (1 device under --sharding batch, all under fsdp)."""
+  fsdp = {'batch': 1, 'fsdp': devices, 'hybrid': cfg.fsdp_size}[cfg.sharding]
+  if devices % fsdp:
+    raise utils.UsageError(f'--fsdp_size {fsdp} does not divide the {devices} devices: give a '
+                           f'divisor, such as {devices // hosts} (one host\'s)')
+  if hosts > 1 and not torch.distributed.is_initialized():  # The hosts' checkpoint collectives.
+    import torch_xla.distributed.xla_backend  # noqa: F401 (registers init_method='xla://')
+    torch.distributed.init_process_group('gloo', init_method='xla://')
+  # Device ids run host by host and slice by slice: an 'fsdp' group of a slice's devices or
+  # fewer lies within one slice (its fast links), the 'data' axis across slices.
+  return xs.Mesh(np.arange(devices), (devices // fsdp, fsdp), ('data', 'fsdp'))
+
+
+def say_held(run):
+  """Says, and records in the results, the bytes the first device holds of the weights and of
+  the optimizer's state: its shard of each sharded tensor, all of each other one (4 bytes a
+  value: torch's count, under --bf16 too)."""
+  def on_device(tensors):
+    total = 0
+    for tensor in tensors:
+      if tensor.device.type != 'xla':
+        continue
+      count = tensor.numel()
+      if torch_xla._XLAC._get_xla_sharding_spec(tensor):
+        index = torch_xla._XLAC._get_local_shard_replica_and_indices([tensor])[0][0][1]
+        count = count if index is Ellipsis else math.prod(s.stop - s.start for s in index)
+      total += count * tensor.element_size()
+    return total
+  state = [value for values in run.optimizer.state.values() for value in values.values()
+           if isinstance(value, torch.Tensor)]
+  held = run.results['bytes_per_device'] = dict(weights=on_device(run.model.parameters()),
+                                                optimizer=on_device(state))
+  xm.master_print(f'Each device holds {held["weights"] / 1e6:.1f} MB of weights and '
+                  f'{held["optimizer"] / 1e6:.1f} MB of optimizer state', flush=True)
+
+
 def sharded(loader, mesh, device, cfg):
   """The loader's batches on the device, each host's batch its devices' rows of the global
-  batch (minibatch=True), sharded along the mesh's 'data' axis."""
-  sharding = dict(images=xs.ShardingSpec(mesh, ('data', None, None, None), minibatch=True),
-                  labels=xs.ShardingSpec(mesh, ('data',), minibatch=True))
+  batch (minibatch=True), sharded over every device of the mesh (both of its axes)."""
+  batch = ('data', 'fsdp')
+  sharding = dict(images=xs.ShardingSpec(mesh, (batch, None, None, None), minibatch=True),
+                  labels=xs.ShardingSpec(mesh, (batch,), minibatch=True))
   return pl.MpDeviceLoader(loader, device, loader_prefetch_size=cfg.loader_prefetch_size,
                            device_prefetch_size=cfg.device_prefetch_size,
                            host_to_device_transfer_threads=cfg.host_to_device_transfer_threads,
@@ -377,14 +495,16 @@ def train(cfg, stop_signal):
   torch.manual_seed(cfg.seed)
   host, hosts, devices = xr.process_index(), xr.process_count(), xr.global_runtime_device_count()
   local_devices = xr.addressable_runtime_device_count()
-  mesh = xs.Mesh(np.arange(devices), (devices,), ('data',))
+  mesh = build_mesh(cfg, devices, hosts)
   train_loader, test_loader, num_classes = load_data(cfg, host, hosts, local_devices)
   run = start_run(cfg, num_classes, train_loader.num_batches, stop_signal, mesh)
   results, device = run.results, torch_xla.device()
   train_device_loader, test_device_loader = (sharded(loader, mesh, device, cfg)
                                              for loader in (train_loader, test_loader))
   if run.epoch <= cfg.num_epochs:  # Else: 'Run already finished'.
-    xm.master_print(f'Mesh of {devices} devices; compiling the first step ...', flush=True)
+    xm.master_print(f'Mesh of {devices} devices ({mesh.mesh_shape[0]} data x '
+                    f'{mesh.mesh_shape[1]} fsdp, --sharding {cfg.sharding}); compiling the first '
+                    'step ...', flush=True)
   try:
     for epoch in range(run.epoch, cfg.num_epochs + 1):
       first_step = run.step if epoch == run.epoch else 0
@@ -397,6 +517,8 @@ def train(cfg, stop_signal):
       run.log.flush()  # Its lines before the epoch's.
       seconds = time.time() - start
       results['train_seconds'] += seconds
+      if epoch == run.epoch and steps:  # This mesh's, once the optimizer's state exists.
+        say_held(run)
       if stopped:  # By SIGTERM, SIGHUP or Ctrl-C: saved here (--ckpt_dir); exit code 75 or 130.
         return results, stop_run(run, epoch, first_step + steps)
       print(f'Epoch {epoch} Host Train Samples={steps * cfg.batch_size * local_devices} '
@@ -436,7 +558,7 @@ def main(argv):
       if supervisor:  # What runs, said first; bad input in one line.
         given = {name for name in FLAGS if FLAGS[name].present}
         supervisor.check_job(cfg, build_datasets, build_model, FAKE_CLASSES, given,
-                             (recipe_name, settings))
+                             (recipe_name, settings), build_optimizer)
       utils.use_compile_cache(cfg.compile_cache_dir, xr.process_index())  # Before any computation.
       results, code = train(cfg, utils.stop_signal)
       if utils.is_master():
@@ -459,6 +581,119 @@ def run(argv):
   import command  # Only run() and %run need command.py.
   return command.run(__file__, argv)
 
+
+# -------------------------------- sharded checkpoints: machinery that never needs editing
+def write_sharded(state, ckpt_dir, keep, best):
+  """utils.write_checkpoint of a state whose device tensors (the weights, the optimizer's state)
+  every host writes itself, only the shards its devices hold, through torch.distributed.
+  checkpoint: into ckpt-N/ beside ckpt-N.pt, which holds the rest (and each weight's shape)."""
+  tensors, rest = split_tensors(dict(model=state['model'], optimizer=state['optimizer']['state']))
+  plain = dict(state, model={name: weight.shape for name, weight in state['model'].items()},
+               optimizer=dict(state['optimizer'], state=rest['optimizer']))
+
+  def write(folder):
+    try:
+      dcp.save(tensors, storage_writer=FsspecWriter(folder, **utils.fs_options(folder)),
+               planner=SPMDSavePlanner(), no_dist=not torch.distributed.is_initialized())
+    except BaseException as e:  # torch.distributed.checkpoint's CheckpointException is one.
+      raise shards_error(e, f'cannot write checkpoint {folder}', 'free space in --ckpt_dir or '
+                         'give another; the checkpoints already there are kept') from None
+  return utils.write_checkpoint(plain, ckpt_dir, keep, best, shards=write)
+
+
+def read_sharded(state, model, optimizer):
+  """Loads the shards of a write_sharded checkpoint into the model's weights and the
+  optimizer's state, in place: each host reads what its devices hold on this run's mesh,
+  whatever the mesh that wrote them. Returns the state with the optimizer's state_dict whole."""
+  if not optimizer.state:  # Its state, made by a step that changes nothing, to load into.
+    for parameter in model.parameters():
+      parameter.grad = torch.zeros_like(parameter)
+    lrs = [group['lr'] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+      group['lr'] = 0.0
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    for group, lr in zip(optimizer.param_groups, lrs):
+      group['lr'] = lr
+  optimizer_state = optimizer.state_dict()['state']  # The optimizer's own tensors.
+  tensors, _ = split_tensors(dict(model=weights(model), optimizer=optimizer_state))
+  folder = state['shards']
+  reader = ShardsReader(folder, **utils.fs_options(folder))
+  try:
+    saved = reader.read_metadata().state_dict_metadata
+    missing = [name for name in flat_names(tensors) if name not in saved]
+    if not missing:
+      dcp.load(tensors, storage_reader=reader, planner=SPMDLoadPlanner(),
+               no_dist=not torch.distributed.is_initialized())
+  except BaseException as e:
+    raise shards_error(e, f'cannot read checkpoint {folder}', 'nothing was changed; make it '
+                       'readable, or move it out of --ckpt_dir to resume from the one before'
+                       ) from None
+  if missing:  # The weights were checked (utils.check_same_model): another optimizer's state.
+    raise utils.UsageError(f'checkpoint {folder} holds no {missing[0]} ({len(missing)} tensors '
+                           'of this run are not there): it was saved with another optimizer; '
+                           'give the optimizer of that run, or another --ckpt_dir')
+  merged = {index: {**state['optimizer']['state'].get(index, {}), **values}
+            for index, values in optimizer_state.items()}
+  return dict(state, optimizer=dict(state['optimizer'], state=merged))
+
+
+def split_tensors(tree):
+  """(its tensors, the rest) of a tree of dicts, each as a tree of the same keys."""
+  tensors, rest = {}, {}
+  for key, value in tree.items():
+    if isinstance(value, dict):
+      tensors[key], rest[key] = split_tensors(value)
+    else:
+      (tensors if isinstance(value, torch.Tensor) else rest)[key] = value
+  return tensors, rest
+
+
+def flat_names(tree, prefix=''):
+  """The names torch.distributed.checkpoint gives the leaves of a tree of dicts (a.b.c)."""
+  for key, value in tree.items():
+    if isinstance(value, dict):
+      yield from flat_names(value, f'{prefix}{key}.')
+    else:
+      yield f'{prefix}{key}'
+
+
+def shards_error(error, what, advice):
+  """The one-line error of a failed save or load of shards (a bug's exception as it is)."""
+  failures = getattr(error, 'failures', None)  # {rank: (exception, traceback)}
+  cause = next(iter(failures.values()))[0] if failures else error
+  if isinstance(cause, asyncio.TimeoutError):  # A bucket's deadline (utils.fs_options).
+    return utils.BucketTimeout(what)
+  if isinstance(cause, (OSError, RuntimeError, pickle.UnpicklingError, EOFError, ValueError)):
+    return utils.UsageError(f'{what} ({type(cause).__name__}: '
+                            f'{str(cause).strip().splitlines()[0] if str(cause).strip() else ""}): '
+                            f'{advice}')
+  return cause
+
+
+class ShardsReader(FsspecReader):
+  """torch.distributed.checkpoint's reader, whose index of the shards (.metadata, a pickle) may
+  hold only that index's own classes: a crafted one cannot run code as it loads."""
+
+  ALLOWED = {('torch.distributed.checkpoint.metadata', name) for name in (
+      'Metadata', 'TensorStorageMetadata', 'ChunkStorageMetadata', 'BytesStorageMetadata',
+      'TensorProperties', 'MetadataIndex', 'StorageMeta', '_MEM_FORMAT_ENCODING')} | {
+          ('torch.distributed.checkpoint.filesystem', '_StorageInfo'), ('torch', 'Size'),
+          ('torch.serialization', '_get_layout')}
+
+  class Unpickler(pickle.Unpickler):
+    def find_class(self, module, name):
+      if (module, name) in ShardsReader.ALLOWED or (
+          module == 'torch' and isinstance(getattr(torch, name, None), torch.dtype)):
+        return super().find_class(module, name)
+      raise pickle.UnpicklingError(f'{module}.{name} is not part of a checkpoint\'s index')
+
+  def read_metadata(self, *args, **kwargs):
+    with self.fs.create_stream(self._get_metadata_path(), 'rb') as f:
+      metadata = self.Unpickler(f).load()
+    metadata.storage_meta = metadata.storage_meta or dcp.metadata.StorageMeta()
+    metadata.storage_meta.load_id = self.load_id
+    return metadata
 
 if __name__ == '__main__':
   if utils.in_notebook():  # %run in a notebook: a command of its own, as run() starts it.

@@ -552,8 +552,8 @@ def start_run(cfg, num_classes, steps_per_epoch, stop_signal):
                         results=utils.new_results(cfg.model, amp=cfg.amp, skipped_bad_data=0,
                                                   repeated_samples=0),
                         num_classes=num_classes, epoch=1, step=0, global_step=0)
-  path, state = utils.checkpoint_to_resume(cfg.resume, cfg.ckpt_dir, model, vars(cfg),
-                                           run.results['world_size'], BATCH_FLAGS)
+  path, state = utils.checkpoint_to_resume(cfg.resume, cfg.ckpt_dir, model.state_dict(),
+                                           vars(cfg), run.results['world_size'], BATCH_FLAGS)
   if state is not None:
     utils.say_resumed(path, state, vars(cfg), restore_checkpoint(run, state))
   run.log = utils.StepLog(device, writer, run.results['history'])  # After the restore.

@@ -558,18 +558,22 @@ def write_results(path, results):
 
 
 def url_fs(url, seconds=None):
-  """(file system, path) of a URL. Each request to a bucket (gs://) has `seconds` (BUCKET_SECONDS
+  """(file system, path) of a URL, with fs_options's deadlines."""
+  return fsspec.core.url_to_fs(url, **fs_options(url, seconds))
+
+
+def fs_options(url, seconds=None):
+  """fsspec's options for a URL. Each request to a bucket (gs://) has `seconds` (BUCKET_SECONDS
   unless given; gcsfs tries a late one no more): a stalled or trickling bucket is an error, not a
   hang. Given `seconds`, so have a server's (http(s)) connection and each byte of its answer's
   start. Other URLs keep their library's limits."""
   protocol = fsspec.utils.get_protocol(url)
   if protocol not in ('gs', 'gcs') and not (seconds and protocol in ('http', 'https')):
-    return fsspec.core.url_to_fs(url)
+    return {}
   from aiohttp import ClientTimeout  # gcsfs's and fsspec's http's own: only for those
   if protocol in ('gs', 'gcs'):
-    return fsspec.core.url_to_fs(url, requests_timeout=ClientTimeout(total=seconds or BUCKET_SECONDS))
-  return fsspec.core.url_to_fs(url, client_kwargs=dict(
-      timeout=ClientTimeout(sock_connect=seconds, sock_read=seconds)))
+    return dict(requests_timeout=ClientTimeout(total=seconds or BUCKET_SECONDS))
+  return dict(client_kwargs=dict(timeout=ClientTimeout(sock_connect=seconds, sock_read=seconds)))
 
 
 def write_atomically(data, url):
@@ -598,6 +602,7 @@ def write_atomically(data, url):
 # remove}, those there as it claimed the folder and those it wrote (see claim_folder).
 _ours = {}
 _locks = {}  # {lock file: its descriptor}, held until this process ends.
+_best = {}  # {ckpt_dir: the global step of the folder of shards its best.pt names}
 
 
 def claim_folder(ckpt_dir, hold=True):
@@ -645,16 +650,21 @@ def list_checkpoints(ckpt_dir):
           for m in map(re.compile(r'^ckpt-(\d+)\.pt$').match, names) if m}
 
 
-def write_checkpoint(state, ckpt_dir, keep, best):
+def write_checkpoint(state, ckpt_dir, keep, best, shards=None):
   """Saves ckpt_dir/ckpt-GLOBALSTEP.pt (and best.pt), keeping the `keep` newest up to it, and
-  returns its path. Every replica calls it; the master writes; all wait until it is whole."""
+  returns its path. Every replica calls it; the master writes; all wait until it is whole.
+  shards(folder), if given, writes what each host holds of the sharded tensors, on every host,
+  into the folder beside the file (ckpt-GLOBALSTEP/), which the file then names: a checkpoint
+  once its file is there, so whole or ignored as a file is."""
   torch_xla.sync()  # Runs the step still being traced, so that saving only copies data.
   master = is_master()
+  path = f'{ckpt_dir.rstrip("/")}/ckpt-{state["global_step"]:08d}.pt'
+  if shards:
+    state = dict(state, shards=path.rsplit('/', 1)[-1][:-len('.pt')])
   buffer = io.BytesIO() if master else None
   # SPMD: every host holds the whole (replicated) state; process 0 copies it out and writes.
   if master or not xr.is_spmd():
     xm.save(state, buffer, master_only=True, global_master=True)
-  path = f'{ckpt_dir.rstrip("/")}/ckpt-{state["global_step"]:08d}.pt'
   if master:
     saved = list_checkpoints(ckpt_dir)
     ours = _ours.setdefault(ckpt_dir, set(saved))
@@ -663,6 +673,9 @@ def write_checkpoint(state, ckpt_dir, keep, best):
       raise UsageError(f'--ckpt_dir {ckpt_dir} holds {theirs.rsplit("/", 1)[-1]}, which this run '
                        'did not write: another run writes there (nothing of it was replaced); '
                        'give each run its own --ckpt_dir')
+  if shards:
+    shards(path[:-len('.pt')])
+  if master:
     try:
       write_atomically(buffer.getvalue(), path)
       if best:
@@ -674,19 +687,38 @@ def write_checkpoint(state, ckpt_dir, keep, best):
       raise UsageError(f'cannot write checkpoint {path} ({e}): free space in --ckpt_dir or '
                        'give another; the checkpoints already there are kept') from None
     ours.add(state['global_step'])
+    if shards and (best or ckpt_dir not in _best):
+      _best[ckpt_dir] = state['global_step'] if best else best_shards(ckpt_dir)
     # Only older ones: a newer one (a resume passed over it as unreadable) stays until replaced.
     kept = sorted(step for step in ours if step <= state['global_step'])[-keep:]
     for step in sorted(step for step in ours if step < kept[0]):
       if step in saved:
-        try:
-          url_fs(saved[step])[0].rm(url_fs(saved[step])[1])
-        except asyncio.TimeoutError:
-          raise BucketTimeout(f'cannot remove the old checkpoint {saved[step]}') from None
+        remove(saved[step])
+        if shards and step != _best[ckpt_dir]:  # The shards that best.pt names stay.
+          remove(saved[step][:-len('.pt')])
       ours.discard(step)
     print(f'Saved checkpoint {path}', flush=True)
   if xr.world_size() > 1:
     xm.rendezvous('checkpoint_saved')
   return path
+
+
+def remove(url):
+  """Removes a checkpoint's file or folder of shards."""
+  fs, path = url_fs(url)
+  try:
+    if fs.exists(path):
+      fs.rm(path, recursive=True)
+  except asyncio.TimeoutError:
+    raise BucketTimeout(f'cannot remove the old checkpoint {url}') from None
+
+
+def best_shards(ckpt_dir):
+  """The global step of the folder of shards that ckpt_dir/best.pt names, or None."""
+  try:
+    return load_checkpoint(f'{ckpt_dir.rstrip("/")}/best.pt')['global_step']
+  except UsageError:  # None there yet (or unreadable: a resume never takes it).
+    return None
 
 
 class UnreadableCheckpoint(UsageError):
@@ -728,6 +760,8 @@ def load_checkpoint(path):
   if missing:
     raise UnreadableCheckpoint(f'{path} is not a checkpoint of these scripts (no '
                                f'{", ".join(missing)})')
+  if 'shards' in state:  # The folder of its shards, beside it (see write_checkpoint).
+    state['shards'] = f'{path.rsplit("/", 1)[0]}/{state["shards"]}' if '/' in path else state['shards']
   return state
 
 
@@ -769,11 +803,11 @@ def find_checkpoint(resume, ckpt_dir):
   return path, state
 
 
-def check_same_model(model, state, path, flag_values):
-  """A UsageError naming a weight that differs if the checkpoint is of another model, and what
-  differs that makes one: the script, the flags that build it."""
-  ours, theirs = ({k: list(v.shape) for k, v in weights.items()}
-                  for weights in (model.state_dict(), state['model']))
+def check_same_model(weights, state, path, flag_values):
+  """A UsageError naming a weight that differs if the checkpoint is of another model (weights: the
+  model's state_dict), and what differs that makes one: the script, the flags that build it."""
+  ours, theirs = ({k: list(getattr(v, 'shape', v)) for k, v in named.items()}  # (Or its shapes.)
+                  for named in (weights, state['model']))
   differ = sorted(k for k in ours.keys() | theirs.keys() if ours.get(k) != theirs.get(k))
   if differ:
     first, script = differ[0], os.path.basename(sys.argv[0])
@@ -790,15 +824,23 @@ def check_same_model(model, state, path, flag_values):
                      ': give the flags of that run, or another --ckpt_dir')
 
 
-def checkpoint_to_resume(resume_path, ckpt_dir, model, flag_values, world_size,
-                         batch_flags=BATCH_FLAGS):
+def checkpoint_to_resume(resume_path, ckpt_dir, weights, flag_values, world_size,
+                         batch_flags=BATCH_FLAGS, sharded=False):
   """(path, state) of the checkpoint find_checkpoint chose, or (None, None): a UsageError if it
-  holds another model; warns of other batch_flags or another world_size (docs/checkpoints.md).
-  The script's restore_checkpoint puts it back, then say_resumed says so."""
+  holds another model (weights: the model's state_dict) or is not of this script's format
+  (sharded: a folder of shards beside each file); warns of other batch_flags or another
+  world_size (docs/checkpoints.md). The script's restore_checkpoint puts it back, then
+  say_resumed says so."""
   path, state = find_checkpoint(resume_path, ckpt_dir)
   if state is None:
     return None, None
-  check_same_model(model, state, path, flag_values)
+  if ('shards' in state) != sharded:
+    raise UsageError(f'checkpoint {path} is {"sharded" if "shards" in state else "one file"} '
+                     f'(by {state["results"].get("script", "another script")}) and '
+                     f'{os.path.basename(sys.argv[0])} resumes only '
+                     f'{"sharded checkpoints" if sharded else "checkpoints of one file"}: give '
+                     'one of a run of this script as it is now, or another --ckpt_dir')
+  check_same_model(weights, state, path, flag_values)
   where = f'epoch {state["epoch"]} goes on from step {state["step"]}'
   for name in batch_flags:
     if name in state['flags'] and state['flags'][name] != flag_values.get(name):

@@ -14,9 +14,11 @@ markdown tables:
      compiled, checkpoint size);
   5. checkpoints: save and load time and size for resnet50, and how long a resumed run
      takes to its first new step against a fresh run;
-  6. the input pipeline table of benchmarks/input_pipeline.py.
+  6. train_resnet_spmd.py's checkpoints on 4 devices: one file (as before it sharded) against
+     its shards under --sharding batch and fsdp (the training table has fsdp's step rate);
+  7. the input pipeline table of benchmarks/input_pipeline.py.
 
-  python benchmarks/training.py            # about 14 minutes on 2 cores
+  python benchmarks/training.py            # about 16 minutes on 2 cores
   python benchmarks/training.py --quick    # a smoke test: tiny runs, same tables
 """
 
@@ -178,6 +180,61 @@ def checkpoint_costs(tmp, name):
   return save, load, os.path.getsize(path) / 1e6
 
 
+# A checkpoint of train_resnet_spmd.py on 4 XLA:CPU devices, as its save_checkpoint and
+# restore_checkpoint write and read it, in one process of its own (the mesh's devices are
+# fixed when the runtime starts): prints [(kind, MB, save s, load s), ...].
+SHARDED_COSTS = """
+import json, pathlib, sys, time, types
+import torch, torch.nn.functional as F, torch_xla, torch_xla.core.xla_model as xm
+import train_resnet_spmd as script, utils
+script.FLAGS(['costs', '--fake_data', '--model', sys.argv[1], '--lr', '0.1'])
+script.xr.use_spmd()
+rows = []
+for kind in ('one file', 'batch', 'fsdp'):
+  script.FLAGS.sharding = 'batch' if kind == 'one file' else kind
+  cfg = types.SimpleNamespace(**script.FLAGS.flag_values_dict())
+  devices = script.xr.global_runtime_device_count()
+  mesh = script.build_mesh(cfg, devices, 1)
+  model = script.shard_model(script.build_model(cfg, 1000), mesh, cfg)
+  optimizer = script.build_optimizer(cfg, model)
+  images, labels = torch.zeros(devices, 3, 32, 32), torch.zeros(devices, dtype=torch.int64)
+  F.cross_entropy(model(images.to('xla')), labels.to('xla')).backward()
+  optimizer.step()  # Momentum buffers exist, as in a real checkpoint.
+  torch_xla.sync()
+  xm.wait_device_ops()
+  state = dict(model=script.weights(model), optimizer=optimizer.state_dict(), lr_scheduler=None,
+               epoch=1, step=1, global_step=1, flags={}, results={},
+               rng=dict(torch=torch.get_rng_state(), xla=xm.get_rng_state()))
+  folder = pathlib.Path(sys.argv[2], kind.replace(' ', '-'))
+  start = time.perf_counter()
+  write = utils.write_checkpoint if kind == 'one file' else script.write_sharded
+  path = write(state, str(folder), 2, False)
+  save = time.perf_counter() - start
+  start = time.perf_counter()
+  saved = utils.load_checkpoint(path)
+  if kind == 'one file':
+    model.load_state_dict(saved['model'])
+  else:
+    saved = script.read_sharded(saved, model, optimizer)
+  optimizer.load_state_dict(saved['optimizer'])
+  xm.wait_device_ops()
+  load = time.perf_counter() - start
+  size = sum(f.stat().st_size for f in folder.rglob('*') if f.is_file() and f.name != '.lock')
+  rows.append((kind, size / 1e6, save, load))
+print(json.dumps(rows))
+"""
+
+
+def sharded_costs(tmp, name):
+  """[(kind, MB, save seconds, load seconds)] of SHARDED_COSTS for model `name`."""
+  env = dict(os.environ, PJRT_DEVICE=os.environ.get('PJRT_DEVICE', 'CPU'), CPU_NUM_DEVICES='4')
+  done = subprocess.run([sys.executable, '-c', SHARDED_COSTS, name, str(tmp / 'sharded')],
+                        cwd=REPO, env=env, capture_output=True, text=True)
+  if done.returncode != 0:
+    sys.exit(f'the sharded checkpoint measurement failed:\n{done.stderr[-3000:]}')
+  return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def runs_to_measure(tmp, quick):
   """(script, data, flags) of each row of the training table, and the WebDataset run's flags."""
   epochs, steps = (2, 3) if quick else (3, 40)
@@ -201,6 +258,9 @@ def runs_to_measure(tmp, quick):
       ('train_resnet_spmd.py', 'fake, 1 device', fake),
       ('train_resnet_spmd.py', 'fake, 4 devices', [*fake, '--batch_size', batch // 4,
                                                    '--test_set_batch_size', batch // 4]),
+      ('train_resnet_spmd.py', '--sharding fsdp, fake, 4 devices',
+       [*fake, '--batch_size', batch // 4, '--test_set_batch_size', batch // 4, '--sharding',
+        'fsdp']),
       ('train_single_core.py', 'image folder', ['--datadir', folder, '--num_workers', 2, *common]),
       ('train_resnet_mp.py', 'image folder', ['--datadir', folder, '--num_workers', 2, *common]),
       # Checkpoints too (every epoch end and at step steps - 1), for the resume below.
@@ -324,6 +384,13 @@ def main(argv):
     print(f'| train_wds_cifar.py, fresh run: start to first step | '
           f'{first_step["train_wds_cifar.py"]:.1f} s |')
     print(f'| train_wds_cifar.py, resumed at {where}: start to first new step | {resumed:.1f} s |')
+    say('saving and loading train_resnet_spmd.py\'s checkpoints on 4 devices')
+    print()
+    print(f'| train_resnet_spmd.py, 4 devices: {checkpointed} + momentum | size | save | load |')
+    print('| --- | --- | --- | --- |')
+    for kind, size, save, load in sharded_costs(tmp, checkpointed):
+      print(f'| {kind if kind == "one file" else "shards, --sharding " + kind} | {size:,.0f} MB | '
+            f'{save:.2f} s | {load:.2f} s |', flush=True)
   print(flush=True)
   say('running benchmarks/input_pipeline.py')
   # The input pipeline has its own script (it imports train_wds_cifar, whose flags would

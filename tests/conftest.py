@@ -293,10 +293,26 @@ def training_losses(output):
   return {(int(m.group(1)), int(m.group(2))): m.group(3) for m in TRAIN_LINE.finditer(output)}
 
 
-def newest_checkpoint(ckpt_dir):
+def read_checkpoint(path):
+  """A checkpoint file's state, with the tensors of its folder of shards (train_resnet_spmd.py's)
+  put back whole where the script took them out: the weights, the optimizer's state."""
+  import tempfile
   import torch
+  from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+  state = torch.load(path, weights_only=True)
+  if 'shards' in state:
+    with tempfile.TemporaryDirectory() as scratch:
+      dcp_to_torch_save(pathlib.Path(path).parent / state['shards'], f'{scratch}/whole.pt')
+      whole = torch.load(f'{scratch}/whole.pt', weights_only=True)
+    state['model'] = whole['model']
+    for index, tensors in whole['optimizer'].items():
+      state['optimizer']['state'].setdefault(int(index), {}).update(tensors)
+  return state
+
+
+def newest_checkpoint(ckpt_dir):
   names = sorted(p for p in os.listdir(ckpt_dir) if re.fullmatch(r'ckpt-\d+\.pt', p))
-  return torch.load(pathlib.Path(ckpt_dir, names[-1]), weights_only=True)
+  return read_checkpoint(pathlib.Path(ckpt_dir, names[-1]))
 
 
 def assert_same_training(resumed_dir, reference_dir):

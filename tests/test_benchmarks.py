@@ -31,6 +31,10 @@ def test_benchmark_prints_its_tables_row_by_row():
   assert precisions == ['--bf16'], out  # --quick: one row (all three without it)
   assert re.search(r'^\| resnet18 \+ momentum, size \| [\d,]+ MB \|$', out, re.M)  # 50 if not quick
   assert re.search(r'resumed at epoch 2 step 1: start to first new step \| [\d.]+ s \|$', out, re.M)
+  # train_resnet_spmd.py's checkpoint on 4 devices: one file against its shards.
+  sharded = re.findall(r'^\| (one file|shards, --sharding \w+) \| [\d,]+ MB \| [\d.]+ s \| [\d.]+ s \|$',
+                       out, re.M)
+  assert sharded == ['one file', 'shards, --sharding batch', 'shards, --sharding fsdp'], out
   decoders = re.findall(r'^\| (\w+) \| [\d.]+ \| [\d,]+ \|$', out, re.M)
   assert decoders == ['rgb', 'ppm', 'png', 'jpg', 'webp', 'npy'], out
   # The photos: upstream's pipeline sends float32 batches, ours uint8 (a quarter).

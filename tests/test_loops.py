@@ -71,14 +71,30 @@ DIFFERENCES = [
   test_device_loader = pl.MpDeviceLoader(test_loader, device, **prefetch)""",
        """  host, hosts, devices = xr.process_index(), xr.process_count(), xr.global_runtime_device_count()
   local_devices = xr.addressable_runtime_device_count()
-  mesh = xs.Mesh(np.arange(devices), (devices,), ('data',))
+  mesh = build_mesh(cfg, devices, hosts)
   train_loader, test_loader, num_classes = load_data(cfg, host, hosts, local_devices)
   run = start_run(cfg, num_classes, train_loader.num_batches, stop_signal, mesh)
   results, device = run.results, torch_xla.device()
   train_device_loader, test_device_loader = (sharded(loader, mesh, device, cfg)
                                              for loader in (train_loader, test_loader))"""),
       ("""    xm.master_print(f'Replicas started: {world_size}; compiling the first step ...', flush=True)""",
-       """    xm.master_print(f'Mesh of {devices} devices; compiling the first step ...', flush=True)""")]),
+       """    xm.master_print(f'Mesh of {devices} devices ({mesh.mesh_shape[0]} data x '
+                    f'{mesh.mesh_shape[1]} fsdp, --sharding {cfg.sharding}); compiling the first '
+                    'step ...', flush=True)""")]),
+    (MESH, 'the mesh: the weights may be sharded, so each host saves and loads its own shards, '
+     'under the names of the model unwrapped, and says what each device holds',
+     [("""  state = dict(model=run.model.state_dict(), optimizer=run.optimizer.state_dict(),""",
+       """  state = dict(model=weights(run.model), optimizer=run.optimizer.state_dict(),"""),
+      ("""  return utils.write_checkpoint(state, run.cfg.ckpt_dir, run.cfg.keep_checkpoints, best)""",
+       """  return write_sharded(state, run.cfg.ckpt_dir, run.cfg.keep_checkpoints, best)"""),
+      ("""  run.model.load_state_dict(state['model'])""",
+       """  state = read_sharded(state, run.model, run.optimizer)  # The weights in place; the rest returned."""),
+      ("""      results['train_seconds'] += seconds
+""",
+       """      results['train_seconds'] += seconds
+      if epoch == run.epoch and steps:  # This mesh's, once the optimizer's state exists.
+        say_held(run)
+""")]),
     (ONE_DEVICE, 'one device: no replicas, so no gradients to all-reduce and no rates to sum',
      [("""  xm.optimizer_step(optimizer)  # All-reduces the gradients over every replica, then steps.""",
        """  xm.optimizer_step(optimizer)"""),

@@ -8,9 +8,9 @@ import signal
 import numpy as np
 import torch
 
-from conftest import (assert_one_error, assert_same_training, finish, read_json, run_and_signal,
-                      run_script, script_env, seeded_random, start_script, training_losses,
-                      write_image)
+from conftest import (assert_one_error, assert_same_training, finish, newest_checkpoint,
+                      read_checkpoint, read_json, run_and_signal, run_script, script_env,
+                      seeded_random, start_script, training_losses, write_image)
 
 SCRIPT = 'train_resnet_spmd.py'
 FOUR = script_env(CPU_NUM_DEVICES='4')
@@ -39,9 +39,10 @@ def test_four_devices_learn_count_every_image_once_and_compile_only_in_epoch_1(t
   assert counts[0] == counts[1] == counts[2], counts  # Nothing compiled after epoch 1.
 
 
-def test_killed_and_stopped_run_on_four_devices_ends_bitwise_equal_and_as_one_device(
+def test_killed_and_stopped_fsdp_run_on_four_devices_ends_bitwise_equal_and_as_one_device(
     tmp_path, colour_folder):
-  args = ['--datadir', colour_folder, '--model', 'resnet18', '--img_dim', 16,
+  # Under --sharding fsdp: each host saves and loads its own shards (one host here).
+  args = ['--sharding', 'fsdp', '--datadir', colour_folder, '--model', 'resnet18', '--img_dim', 16,
           '--test_set_batch_size', 4, '--num_epochs', 2, '--num_steps', 5, '--log_steps', 1,
           '--lr', 0.005, '--lr_scheduler_type', 'WarmupAndExponentialDecayScheduler',
           '--lr_scheduler_divide_every_n_epochs', 1, '--num_workers', 1]
@@ -90,20 +91,29 @@ def test_killed_and_stopped_run_on_four_devices_ends_bitwise_equal_and_as_one_de
   for step in range(3):
     ours, theirs = float(uninterrupted[1, step]), float(one_losses[1, step])
     assert abs(ours - theirs) <= 1e-4 * max(1, theirs), (step, ours, theirs)
-  ours = torch.load(tmp_path / 'reference' / 'ckpt-00000002.pt', weights_only=True)['model']
-  theirs = torch.load(tmp_path / 'one' / 'ckpt-00000002.pt', weights_only=True)['model']
+  ours = read_checkpoint(tmp_path / 'reference' / 'ckpt-00000002.pt')['model']
+  theirs = read_checkpoint(tmp_path / 'one' / 'ckpt-00000002.pt')['model']
   for name, weight in ours.items():
     if weight.is_floating_point():
       torch.testing.assert_close(weight, theirs[name], rtol=1e-5, atol=1e-5, msg=name)
 
+  # A save killed part-way: each host writes its shards first, then process 0 the file that
+  # names them, so such a save leaves a folder and no file. Made here from the newest: its
+  # file removed, its shards cut short. The one before it is resumed from.
+  (ckpt_dir / 'ckpt-00000010.pt').unlink()
+  for shards in (ckpt_dir / 'ckpt-00000010').glob('*.distcp'):
+    shards.write_bytes(shards.read_bytes()[:1000])
   # One more epoch on two devices: it goes on, and says what changes.
   result = run_script(SCRIPT, *run, '--num_epochs', 3, env=script_env(CPU_NUM_DEVICES='2'))
   assert result.returncode == 0, result.stdout + result.stderr
-  assert re.search(r'^warning: resuming \S+ckpt-00000010\.pt on 2 devices, saved on 4: the global '
+  assert re.search(r'^warning: resuming \S+ckpt-00000008\.pt on 2 devices, saved on 4: the global '
                    r'batch is 8 instead of 16 \(--batch_size 4 per device\), so the run will '
                    r'differ from one never interrupted \(see docs/checkpoints\.md\)$', result.stderr,
                    re.M), result.stderr
-  assert re.search(r'^Resumed from \S+ckpt-00000010\.pt at epoch 3 step 0$', result.stdout, re.M)
+  assert re.search(r'^Resumed from \S+ckpt-00000008\.pt at epoch 2 step 3$', result.stdout, re.M)
+  # Saved again, its folder written anew, and read back whole by the test's reader.
+  assert re.search(r'^Saved checkpoint \S+ckpt-00000010\.pt$', result.stdout, re.M)
+  assert newest_checkpoint(ckpt_dir)['global_step'] == 15
 
 
 def test_bad_input_is_one_clear_line_and_exit_2(tmp_path):
