@@ -109,6 +109,7 @@ if (__name__ == '__main__' and 'IPython' not in sys.modules and
   except flags.Error:
     pass  # Said in one line by app.run's parse.
 
+import fsspec
 import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
@@ -142,9 +143,11 @@ except ModuleNotFoundError as e:
   supervisor = None
 
 # Warnings of torch 2.9 about torch_xla 2.9's own code (FSDPv2's backward hook, the checkpoint
-# planners), at every step or save: nothing a user of this script can act on.
+# planners) and about a checkpoint of one host (no process group), at every step or save:
+# nothing a user of this script can act on.
 for message in ('Full backward hook is firing', r'The function definition for \w+Planner',
-                'TypedStorage is deprecated', 'Using a non-tuple sequence'):
+                'TypedStorage is deprecated', 'Using a non-tuple sequence',
+                'torch.distributed is disabled'):
   warnings.filterwarnings('ignore', message=message)
 utils.redefinable(FLAGS)  # A notebook may import several scripts or %run one again.
 
@@ -592,8 +595,16 @@ def write_sharded(state, ckpt_dir, keep, best):
                optimizer=dict(state['optimizer'], state=rest['optimizer']))
 
   def write(folder):
+    if torch.distributed.is_initialized():  # Several hosts: none writes if process 0 refused.
+      try:
+        torch.distributed.barrier()
+      except RuntimeError:
+        raise utils.UsageError(f'process 0 ended before checkpoint {folder} was written: its '
+                               'line says why') from None
+    local = fsspec.utils.get_protocol(folder) == 'file'  # Else no file to fsync, but os.sync().
     try:
-      dcp.save(tensors, storage_writer=FsspecWriter(folder, **utils.fs_options(folder)),
+      dcp.save(tensors, storage_writer=FsspecWriter(folder, sync_files=local,
+                                                    **utils.fs_options(folder)),
                planner=SPMDSavePlanner(), no_dist=not torch.distributed.is_initialized())
     except BaseException as e:  # torch.distributed.checkpoint's CheckpointException is one.
       raise shards_error(e, f'cannot write checkpoint {folder}', 'free space in --ckpt_dir or '
@@ -615,12 +626,23 @@ def read_sharded(state, model, optimizer):
     optimizer.zero_grad(set_to_none=True)
     for group, lr in zip(optimizer.param_groups, lrs):
       group['lr'] = lr
-  optimizer_state = optimizer.state_dict()['state']  # The optimizer's own tensors.
-  tensors, _ = split_tensors(dict(model=weights(model), optimizer=optimizer_state))
+  groups = [len(group['params']) for group in optimizer.param_groups]
+  if groups != [len(group['params']) for group in state['optimizer']['param_groups']]:
+    raise utils.UsageError(f'checkpoint {state["shards"]} was saved with other parameter groups '
+                           f'than build_optimizer makes now ({groups} parameters): give the '
+                           'optimizer of that run, or another --ckpt_dir')
   folder = state['shards']
   reader = ShardsReader(folder, **utils.fs_options(folder))
   try:
     saved = reader.read_metadata().state_dict_metadata
+    # A parameter without state there had no gradient in that run (frozen, or SGD without
+    # momentum then): it starts without one here too, as a whole file's restore does.
+    parameters = [p for group in optimizer.param_groups for p in group['params']]
+    for index in [index for index in optimizer.state_dict()['state']
+                  if not any(name.startswith(f'optimizer.{index}.') for name in saved)]:
+      del optimizer.state[parameters[index]]
+    optimizer_state = optimizer.state_dict()['state']  # The optimizer's own tensors.
+    tensors, _ = split_tensors(dict(model=weights(model), optimizer=optimizer_state))
     missing = [name for name in flat_names(tensors) if name not in saved]
     if not missing:
       dcp.load(tensors, storage_reader=reader, planner=SPMDLoadPlanner(),

@@ -638,16 +638,17 @@ def claim_folder(ckpt_dir, hold=True):
     _ours[ckpt_dir] = set(list_checkpoints(ckpt_dir))
 
 
-def list_checkpoints(ckpt_dir):
-  """{global_step: path} of the checkpoints in ckpt_dir."""
+def list_checkpoints(ckpt_dir, folders=False):
+  """{global_step: path} of the checkpoints in ckpt_dir (folders: of their folders of shards)."""
   fs, path = url_fs(ckpt_dir)
   try:
     names = [name.rsplit('/', 1)[-1] for name in fs.ls(path, detail=False)
              ] if fs.exists(path) else []
   except asyncio.TimeoutError:
     raise BucketTimeout(f'cannot list --ckpt_dir {ckpt_dir}') from None
+  pattern = re.compile(r'^ckpt-(\d+)$' if folders else r'^ckpt-(\d+)\.pt$')
   return {int(m.group(1)): f'{ckpt_dir.rstrip("/")}/{m.group(0)}'
-          for m in map(re.compile(r'^ckpt-(\d+)\.pt$').match, names) if m}
+          for m in map(pattern.match, names) if m}
 
 
 def write_checkpoint(state, ckpt_dir, keep, best, shards=None):
@@ -673,6 +674,8 @@ def write_checkpoint(state, ckpt_dir, keep, best, shards=None):
       raise UsageError(f'--ckpt_dir {ckpt_dir} holds {theirs.rsplit("/", 1)[-1]}, which this run '
                        'did not write: another run writes there (nothing of it was replaced); '
                        'give each run its own --ckpt_dir')
+    # The folder of shards best.pt names stays while it does, its file rotated out or not.
+    named = (_best[ckpt_dir] if ckpt_dir in _best else best_shards(ckpt_dir)) if shards else None
   if shards:
     shards(path[:-len('.pt')])
   if master:
@@ -687,16 +690,22 @@ def write_checkpoint(state, ckpt_dir, keep, best, shards=None):
       raise UsageError(f'cannot write checkpoint {path} ({e}): free space in --ckpt_dir or '
                        'give another; the checkpoints already there are kept') from None
     ours.add(state['global_step'])
-    if shards and (best or ckpt_dir not in _best):
-      _best[ckpt_dir] = state['global_step'] if best else best_shards(ckpt_dir)
+    if shards:
+      _best[ckpt_dir] = state['global_step'] if best else named
+      if best and named is not None and named not in ours:  # Kept for best.pt alone.
+        remove(f'{ckpt_dir.rstrip("/")}/ckpt-{named:08d}')
     # Only older ones: a newer one (a resume passed over it as unreadable) stays until replaced.
     kept = sorted(step for step in ours if step <= state['global_step'])[-keep:]
     for step in sorted(step for step in ours if step < kept[0]):
       if step in saved:
         remove(saved[step])
-        if shards and step != _best[ckpt_dir]:  # The shards that best.pt names stay.
+        if shards and step != _best[ckpt_dir]:
           remove(saved[step][:-len('.pt')])
       ours.discard(step)
+    if shards:  # Folders of saves cut short (no file names them), older than those kept.
+      for step, folder in list_checkpoints(ckpt_dir, folders=True).items():
+        if step < kept[0] and step not in ours and step != _best[ckpt_dir]:
+          remove(folder)
     print(f'Saved checkpoint {path}', flush=True)
   if xr.world_size() > 1:
     xm.rendezvous('checkpoint_saved')
@@ -714,10 +723,18 @@ def remove(url):
 
 
 def best_shards(ckpt_dir):
-  """The global step of the folder of shards that ckpt_dir/best.pt names, or None."""
+  """The global step of the folder of shards that ckpt_dir/best.pt names, or None (no best.pt,
+  or one cut short). A read that fails is a UsageError: no folder is removed on a guess."""
+  path = f'{ckpt_dir.rstrip("/")}/best.pt'
+  fs, where = url_fs(path)
   try:
-    return load_checkpoint(f'{ckpt_dir.rstrip("/")}/best.pt')['global_step']
-  except UsageError:  # None there yet (or unreadable: a resume never takes it).
+    if not fs.exists(where):
+      return None
+  except asyncio.TimeoutError:
+    raise BucketTimeout(f'cannot read checkpoint {path}') from None
+  try:
+    return load_checkpoint(path)['global_step']
+  except UnreadableCheckpoint:
     return None
 
 

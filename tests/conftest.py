@@ -7,9 +7,10 @@ import errno
 import json
 import os
 import pathlib
-import re
-import shlex
 import random
+import re
+import resource
+import shlex
 import signal
 import socket
 import subprocess
@@ -279,6 +280,15 @@ def kill_during_save(script, args, ckpt_dir, after_saves):
     time.sleep(0.002)  # A 94 MB checkpoint takes 0.1 s or more to write.
   code, rest = finish(process)
   return code, ''.join(lines) + rest
+
+
+def limit_file_size(megabytes):
+  """preexec_fn: files of this process and its children stop growing at the limit, as on a
+  full disk (write fails with EFBIG instead of the signal SIGXFSZ)."""
+  def limit():
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (megabytes << 20, megabytes << 20))
+  return limit
 
 
 def seeded_random():

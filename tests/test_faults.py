@@ -8,7 +8,6 @@ import functools
 import os
 import pickle
 import re
-import resource
 import shutil
 import signal
 import subprocess
@@ -20,8 +19,8 @@ import pytest
 import torch
 
 from conftest import (REPO, TRAIN_LINE, assert_nothing_left, assert_one_error, crafted_jpeg,
-                      finish, make_cifar_python, make_image_folder, run_processes, run_script,
-                      script_env, start_script, wait_for)
+                      finish, limit_file_size, make_cifar_python, make_image_folder,
+                      run_processes, run_script, script_env, start_script, wait_for)
 
 
 def replicas(session):
@@ -179,15 +178,6 @@ def test_failing_replica_ends_the_run_with_its_code(data, tmp_path):
   lines = out.rstrip('\n').split('\n')
   assert TRAIN_LINE.match(lines[-2]) and lines[-1].startswith('error: '), out
   assert_nothing_left(session=process.pid)
-
-
-def limit_file_size(megabytes):
-  """preexec_fn: files of this process and its children stop growing at the limit, as on a
-  full disk (write fails with EFBIG instead of the signal SIGXFSZ)."""
-  def limit():
-    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (megabytes << 20, megabytes << 20))
-  return limit
 
 
 def test_failed_checkpoint_write_is_one_line_and_keeps_the_earlier_ones(data, tmp_path):

@@ -4,7 +4,9 @@ XLA:CPU devices, against batch (data parallel), and its sharded checkpoints, sav
 Storage emulator and restored on another mesh. (The kill -9, SIGTERM and bitwise resume of an
 fsdp run: tests/test_resnet_spmd.py.)"""
 
+import json
 import os
+import pickle
 import re
 import subprocess
 import sys
@@ -19,25 +21,36 @@ from conftest import (COLOURS, REPO, assert_one_error, finish, read_checkpoint, 
 SCRIPT = 'train_resnet_spmd.py'
 
 # What a run restores, through the script's own start_run (its resume), dumped to a file: the
-# weights and the optimizer's state on the CPU, under --sharding fsdp and batch.
+# weights and the optimizer's state on the CPU, under --sharding fsdp and batch. Then the
+# resumes of REFUSED ([[--model, --resume], ...]), each refused: what it says, a line each.
 RESTORE = '''
-import os, sys, types
+import json, os, sys, types
 import torch
 import train_resnet_spmd as script
+import utils
 script.FLAGS(sys.argv)
 script.xr.use_spmd()
+
+def start():
+  cfg = types.SimpleNamespace(**script.FLAGS.flag_values_dict())
+  devices = script.xr.global_runtime_device_count()
+  return script.start_run(cfg, int(os.environ['CLASSES']), 6, lambda: 0,
+                          script.build_mesh(cfg, devices, 1))
 restored = {}
 for sharding in ('fsdp', 'batch'):
   script.FLAGS.sharding = sharding
-  cfg = types.SimpleNamespace(**script.FLAGS.flag_values_dict())
-  devices = script.xr.global_runtime_device_count()
-  run = script.start_run(cfg, int(os.environ['CLASSES']), 6, lambda: 0,
-                         script.build_mesh(cfg, devices, 1))
+  run = start()
   restored[sharding] = dict(
       model={name: weight.cpu() for name, weight in script.weights(run.model).items()},
       optimizer={index: {name: value.cpu() for name, value in state.items()}
                  for index, state in run.optimizer.state_dict()['state'].items()})
 torch.save(restored, os.environ['RESTORED'])
+for model, resume in json.loads(os.environ['REFUSED']):
+  script.FLAGS.model, script.FLAGS.resume = model, resume
+  try:
+    start()
+  except utils.UsageError as e:
+    print(f'refused: {e}')
 '''
 
 
@@ -109,18 +122,47 @@ def test_fsdp_and_hybrid_train_as_batch_does_and_shard_what_each_device_holds(
       quarter[largest] //= 4
       assert len(sizes) == 4 and (stored.size[largest] % 4 or sizes == [quarter] * 4), (name, sizes)
 
+  # Damaged copies: shards cut short after they were written, and an index crafted to run a
+  # command as it loads.
+  damaged = tmp_path / 'damaged'
+  fs.get('data/fsdp/', str(damaged), recursive=True)
+  for shards in (damaged / 'ckpt-00000002').glob('*.distcp'):
+    shards.write_bytes(shards.read_bytes()[:100_000])
+
+  class Command:
+    def __reduce__(self):
+      return os.system, (f'touch {tmp_path / "ran"}',)
+  (damaged / 'ckpt-00000003' / '.metadata').write_bytes(pickle.dumps(Command()))
+
   # Restored on two devices under fsdp, and under batch, from the bucket: the very weights and
-  # optimizer state saved on four (resharded: each device reads its own part).
+  # optimizer state saved on four (resharded: each device reads its own part). Then another
+  # model, and the damaged ones: each one line, before anything trains; the command not run.
   restored = tmp_path / 'restored.pt'
+  refused = [['resnet34', 'gs://data/fsdp/ckpt-00000003.pt'],
+             ['resnet18', str(damaged / 'ckpt-00000002.pt')],
+             ['resnet18', str(damaged / 'ckpt-00000003.pt')]]
   result = subprocess.run(
       [sys.executable, '-c', RESTORE, *map(str, args), '--num_epochs', '2', '--resume',
        'gs://data/fsdp/ckpt-00000003.pt'],
       cwd=REPO, env=script_env(CPU_NUM_DEVICES='2', CLASSES=str(len(COLOURS)),
-                               RESTORED=str(restored), **bucket),
+                               RESTORED=str(restored), REFUSED=json.dumps(refused), **bucket),
       capture_output=True, text=True, timeout=600)
   assert result.returncode == 0, result.stderr[-3000:]
   assert len(re.findall(r'^Resumed from gs://data/fsdp/ckpt-00000003\.pt at epoch 2 step 0$',
                         result.stdout, re.M)) == 2, result.stdout
+  cannot_read = (r'nothing was changed; make it readable, or move it out of --ckpt_dir to resume '
+                 r'from the one before')
+  lines = [r'checkpoint gs://data/fsdp/ckpt-00000003\.pt holds another model: \S+ is .* there, .* '
+           r'here \(\d+ of \d+ weights differ\); it was saved .*with --model resnet18 \(resnet34 '
+           r'now\): give the flags of that run, or another --ckpt_dir',
+           rf'cannot read checkpoint \S+ckpt-00000002 \(\w+Error: .*\): {cannot_read}',
+           r"cannot read checkpoint \S+ckpt-00000003 \(UnpicklingError: posix\.system is not part "
+           rf"of a checkpoint's index\): {cannot_read}"]
+  said = re.findall(r'^refused: (.*)$', result.stdout, re.M)
+  assert len(said) == 3, said
+  for line, text in zip(lines, said):
+    assert re.fullmatch(line, text), text
+  assert not (tmp_path / 'ran').exists()
   for sharding, state in torch.load(restored, weights_only=True).items():
     assert state['model'].keys() == saved['model'].keys()
     differ = [name for name, weight in saved['model'].items()
@@ -151,3 +193,37 @@ def test_sharding_mistakes_are_one_line_naming_what_to_give(tmp_path):
                    r'^error: checkpoint \S+ckpt-00000001\.pt is one file \(by train_resnet_mp\.py\) '
                    r'and train_resnet_spmd\.py resumes only sharded checkpoints: give one of a run '
                    r'of this script as it is now, or another --ckpt_dir$')
+
+
+# utils.write_checkpoint's rotation of sharded checkpoints, six saves in a row (steps 1 to 6,
+# the best at 1 and 4, --keep_checkpoints 2), each folder of "shards" one file, in a folder
+# that holds the shards of a save cut short (step 0, no file): what is left after each.
+ROTATION = '''
+import json, os, sys
+import utils
+def shards(folder):
+  os.makedirs(folder, exist_ok=True)
+  open(os.path.join(folder, '__0_0.distcp'), 'w').close()
+ckpt_dir = sys.argv[1]
+shards(os.path.join(ckpt_dir, 'ckpt-00000000'))
+for step in range(1, 7):
+  utils.write_checkpoint(dict(global_step=step, model={}, flags={}, results={}, epoch=1, step=step),
+                         ckpt_dir, 2, best=step in (1, 4), shards=shards)
+  print(json.dumps(sorted(os.listdir(ckpt_dir))))
+'''
+
+
+def test_sharded_checkpoints_rotate_with_their_folders_and_keep_the_one_best_pt_names(tmp_path):
+  ckpt_dir = tmp_path / 'ckpt'
+  result = subprocess.run([sys.executable, '-c', ROTATION, str(ckpt_dir)], cwd=REPO,
+                          env=script_env(), capture_output=True, text=True, timeout=300)
+  assert result.returncode == 0, result.stderr[-3000:]
+  listings = [json.loads(line) for line in result.stdout.splitlines() if line.startswith('[')]
+  pairs = lambda *steps: [name for step in steps for name in (f'ckpt-{step:08d}',  # noqa: E731
+                                                              f'ckpt-{step:08d}.pt')]
+  assert listings[0] == ['best.pt', *pairs(1)]  # The folder no file named is gone.
+  assert listings[2] == ['best.pt', 'ckpt-00000001', *pairs(2, 3)]  # best.pt's folder stays.
+  # Step 4 is the best now: the folder best.pt alone kept (step 1's) goes.
+  assert listings[3] == ['best.pt', *pairs(3, 4)]
+  assert listings[5] == ['best.pt', 'ckpt-00000004', *pairs(5, 6)]
+  assert torch.load(ckpt_dir / 'best.pt', weights_only=True)['shards'] == 'ckpt-00000004'

@@ -4,13 +4,15 @@ training, with the collectives XLA inserts, in one process."""
 
 import re
 import signal
+import subprocess
+import sys
 
 import numpy as np
 import torch
 
-from conftest import (assert_one_error, assert_same_training, finish, newest_checkpoint,
-                      read_checkpoint, read_json, run_and_signal, run_script, script_env,
-                      seeded_random, start_script, training_losses, write_image)
+from conftest import (REPO, assert_one_error, assert_same_training, finish, limit_file_size,
+                      newest_checkpoint, read_checkpoint, read_json, run_and_signal, run_script,
+                      script_env, seeded_random, start_script, training_losses, write_image)
 
 SCRIPT = 'train_resnet_spmd.py'
 FOUR = script_env(CPU_NUM_DEVICES='4')
@@ -76,6 +78,10 @@ def test_killed_and_stopped_fsdp_run_on_four_devices_ends_bitwise_equal_and_as_o
   resumed, uninterrupted = training_losses(result.stdout), training_losses(reference_out)
   assert resumed and all(uninterrupted[key] == loss for key, loss in resumed.items())
   assert_same_training(ckpt_dir, tmp_path / 'reference')
+  # best.pt names the folder of the best epoch end, kept though --keep_checkpoints (2) has
+  # rotated its file out: it reads whole.
+  best = read_checkpoint(ckpt_dir / 'best.pt')
+  assert best['model'].keys() == newest_checkpoint(ckpt_dir)['model'].keys(), best['shards']
   assert len(list((tmp_path / 'cache' / 'process-0').iterdir())) >= 5  # A file per graph.
 
   # Four devices compute what one does with the same global batch, up to float rounding:
@@ -97,22 +103,28 @@ def test_killed_and_stopped_fsdp_run_on_four_devices_ends_bitwise_equal_and_as_o
     if weight.is_floating_point():
       torch.testing.assert_close(weight, theirs[name], rtol=1e-5, atol=1e-5, msg=name)
 
-  # A save killed part-way: each host writes its shards first, then process 0 the file that
-  # names them, so such a save leaves a folder and no file. Made here from the newest: its
-  # file removed, its shards cut short. The one before it is resumed from.
-  (ckpt_dir / 'ckpt-00000010.pt').unlink()
-  for shards in (ckpt_dir / 'ckpt-00000010').glob('*.distcp'):
-    shards.write_bytes(shards.read_bytes()[:1000])
-  # One more epoch on two devices: it goes on, and says what changes.
-  result = run_script(SCRIPT, *run, '--num_epochs', 3, env=script_env(CPU_NUM_DEVICES='2'))
+  # One more epoch on two devices, on a disk that fills as its first save writes the shards
+  # (a 20 MB file limit; the shards are 90 MB): one line, exit code 2, and no file for that
+  # step, so the half-written folder is no checkpoint. (No compile cache: its files too.)
+  two, more = script_env(CPU_NUM_DEVICES='2'), [*four, '--ckpt_dir', ckpt_dir, '--num_epochs', 3]
+  full = subprocess.run([sys.executable, SCRIPT, *map(str, more)], cwd=REPO, env=two,
+                        capture_output=True, text=True, timeout=900,
+                        preexec_fn=limit_file_size(20))
+  # (The reason is torch's zip writer's, which sees the short write: 'unexpected pos ...'.)
+  assert_one_error(full, 2, r'^error: cannot write checkpoint \S+ckpt-00000012 \((OSError|Runtime'
+                   r'Error): .*\): free space in --ckpt_dir or give another; the checkpoints '
+                   r'already there are kept$')
+  assert not (ckpt_dir / 'ckpt-00000012.pt').exists()
+  # The same command again: it goes on from the checkpoint before, and says what changes.
+  result = run_script(SCRIPT, *more, env=two)
   assert result.returncode == 0, result.stdout + result.stderr
-  assert re.search(r'^warning: resuming \S+ckpt-00000008\.pt on 2 devices, saved on 4: the global '
+  assert re.search(r'^warning: resuming \S+ckpt-00000010\.pt on 2 devices, saved on 4: the global '
                    r'batch is 8 instead of 16 \(--batch_size 4 per device\), so the run will '
                    r'differ from one never interrupted \(see docs/checkpoints\.md\)$', result.stderr,
                    re.M), result.stderr
-  assert re.search(r'^Resumed from \S+ckpt-00000008\.pt at epoch 2 step 3$', result.stdout, re.M)
-  # Saved again, its folder written anew, and read back whole by the test's reader.
-  assert re.search(r'^Saved checkpoint \S+ckpt-00000010\.pt$', result.stdout, re.M)
+  assert re.search(r'^Resumed from \S+ckpt-00000010\.pt at epoch 3 step 0$', result.stdout, re.M)
+  # Its save of step 12 written anew and read back whole by the test's reader.
+  assert re.search(r'^Saved checkpoint \S+ckpt-00000012\.pt$', result.stdout, re.M)
   assert newest_checkpoint(ckpt_dir)['global_step'] == 15
 
 
