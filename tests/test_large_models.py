@@ -227,3 +227,30 @@ def test_sharded_checkpoints_rotate_with_their_folders_and_keep_the_one_best_pt_
   assert listings[3] == ['best.pt', *pairs(3, 4)]
   assert listings[5] == ['best.pt', 'ckpt-00000004', *pairs(5, 6)]
   assert torch.load(ckpt_dir / 'best.pt', weights_only=True)['shards'] == 'ckpt-00000004'
+
+
+def test_the_docs_adamw_goes_into_build_optimizer_and_says_so(tmp_path):
+  # docs/adapt.md's build_optimizer, put in place of the script's in a copy of the kit: the
+  # run names AdamW in its Recipe line (here it then stops at an unwritable --ckpt_dir, before
+  # any device work), and an SGD rate is its one line.
+  page = (REPO / 'docs' / 'adapt.md').read_text()
+  block = re.search(r'^```python\n(def build_optimizer\(.*?)^```', page, re.M | re.S)[1]
+  source = (REPO / SCRIPT).read_text()
+  ours = re.search(r'^def build_optimizer\(.*?(?=^\S)', source, re.M | re.S)[0]
+  project = tmp_path / 'project'
+  project.mkdir()
+  (project / SCRIPT).write_text(source.replace(ours, block + '\n\n'))
+  for name in ('utils.py', 'supervisor.py', 'command.py'):
+    (project / name).write_text((REPO / name).read_text())
+  (tmp_path / 'file').write_text('')
+  args = [sys.executable, SCRIPT, '--fake_data', '--model', 'resnet18', '--img_dim', '16',
+          '--sharding', 'fsdp']
+  env = script_env(CPU_NUM_DEVICES='4')
+  said = subprocess.run([*args, '--lr', '0.001', '--ckpt_dir', str(tmp_path / 'file' / 'ckpt')],
+                        cwd=project, env=env, capture_output=True, text=True, timeout=300)
+  assert re.search(r'^Recipe: AdamW, lr 0\.001 constant, weight decay 0\.0001 \(', said.stdout,
+                   re.M), said.stdout
+  assert_one_error(said, 2, r'^error: cannot write to --ckpt_dir')
+  assert_one_error(subprocess.run([*args, '--lr', '0.1'], cwd=project, env=env,
+                                  capture_output=True, text=True, timeout=300), 2,
+                   r"^error: --lr 0\.1 is SGD's rate: give AdamW's, such as 0\.001$")
