@@ -638,8 +638,9 @@ def read_sharded(state, model, optimizer):
     # A parameter without state there had no gradient in that run (frozen, or SGD without
     # momentum then): it starts without one here too, as a whole file's restore does.
     parameters = [p for group in optimizer.param_groups for p in group['params']]
+    with_state = {name.split('.')[1] for name in saved if name.startswith('optimizer.')}
     for index in [index for index in optimizer.state_dict()['state']
-                  if not any(name.startswith(f'optimizer.{index}.') for name in saved)]:
+                  if str(index) not in with_state]:
       del optimizer.state[parameters[index]]
     optimizer_state = optimizer.state_dict()['state']  # The optimizer's own tensors.
     tensors, _ = split_tensors(dict(model=weights(model), optimizer=optimizer_state))
@@ -713,6 +714,8 @@ class ShardsReader(FsspecReader):
   def read_metadata(self, *args, **kwargs):
     with self.fs.create_stream(self._get_metadata_path(), 'rb') as f:
       metadata = self.Unpickler(f).load()
+    if not isinstance(metadata, dcp.metadata.Metadata):
+      raise pickle.UnpicklingError(f'it holds a {type(metadata).__name__}, not an index')
     metadata.storage_meta = metadata.storage_meta or dcp.metadata.StorageMeta()
     metadata.storage_meta.load_id = self.load_id
     return metadata
