@@ -716,8 +716,9 @@ def remove(url):
   """Removes a checkpoint's file or folder of shards."""
   fs, path = url_fs(url)
   try:
-    if fs.exists(path):
-      fs.rm(path, recursive=True)
+    fs.rm(path, recursive=True)
+  except FileNotFoundError:
+    pass  # Gone already (a folder the listing still named).
   except asyncio.TimeoutError:
     raise BucketTimeout(f'cannot remove the old checkpoint {url}') from None
 
@@ -778,7 +779,7 @@ def load_checkpoint(path):
     raise UnreadableCheckpoint(f'{path} is not a checkpoint of these scripts (no '
                                f'{", ".join(missing)})')
   if 'shards' in state:  # The folder of its shards, beside it (see write_checkpoint).
-    state['shards'] = f'{path.rsplit("/", 1)[0]}/{state["shards"]}' if '/' in path else state['shards']
+    state['shards'] = path[:path.rfind('/') + 1] + state['shards']
   return state
 
 
