@@ -513,3 +513,82 @@ def _descendants(pid):
     found += below
     todo += below
   return found
+
+
+# ------------------------------------------------------------------------- upstream's flags
+# The flags of pytorch/xla's training scripts (test/args_parse.py, test/test_train_mp_imagenet*.py,
+# test/spmd/test_train_spmd_imagenet.py, test/test_profile_mp_mnist.py, test/test_train_mp_mnist*.py,
+# the accumulation test test/utils/train_spmd_linear_model_grad_acc.py and
+# examples/train_decoder_only_base.py, at v2.9.0) that a script here does not have, each with what
+# does its job here: said in one line instead of absl's guess (docs/scripts.md#from-upstreams-scripts).
+_FSDP = ("upstream's FSDP is train_resnet_spmd.py --sharding fsdp here (FSDPv2 over a mesh: each "
+         "weight sharded along its largest dimension, each block in BLOCKS a unit of its own)")
+_DECODER = ("examples/train_decoder_only_base.py's: these scripts train image classifiers; put "
+            'your own model in build_model (docs/adapt.md)')
+UPSTREAM_FLAGS = {
+    'async_closures': 'needs nothing: the training lines here are printed by a thread of their '
+                      'own (utils.StepLog), so no step waits for them',
+    'auto_spmd': "not here: torch_xla's auto-sharding is experimental and TPU-only; "
+                 'train_resnet_spmd.py shards by --sharding batch, fsdp or hybrid',
+    'auto_wrap_min_num_params': f'{_FSDP}, by block type, not by size',
+    'auto_wrap_policy': f'{_FSDP}: the type-based policy; edit BLOCKS for your model',
+    'ckpt_prefix': 'give --ckpt_dir DIR: checkpoints are saved there as the run trains, and '
+                   'train_resnet_spmd.py saves shards that load on any mesh, unconsolidated',
+    'compute_dtype': 'give --amp (the forward in bfloat16, weights in float32) or --bf16 '
+                     '(every float tensor bfloat16)',
+    'ddp': "train_resnet_mp.py's (torch's DistributedDataParallel, for torch.distributed code): "
+           "this script's gradients are reduced without it",
+    'debug': 'needs nothing: upstream parses it and never reads it; train_resnet_mp.py '
+             '--num_cores 1 runs one process, to debug',
+    'drop_last': 'needs nothing: a shard stream always drops its last partial batch '
+                 '(--trainsize sets the epoch)',
+    'flatten_parameters': f'{_FSDP}: nothing to flatten',
+    'fp32_reduce_scatter': 'needs nothing: under --amp the weights and gradients are float32; '
+                           'under --bf16 everything is bfloat16',
+    'hidden-size': _DECODER,
+    'input_dim': "the linear model's width in upstream's accumulation test: the model here is "
+                 "build_model's (--model)",
+    'intermediate-size': _DECODER,
+    'is-decoder-layer-pure': _DECODER,
+    'no_ckpt_consolidation': 'needs nothing: no checkpoint here needs consolidating; without '
+                             '--ckpt_dir nothing is saved',
+    'no_pin_layout_in_collective_ops': f'{_FSDP}: the compiler lays out its collectives',
+    'num-attention-heads': _DECODER,
+    'num-key-value-heads': _DECODER,
+    'num-layers': _DECODER,
+    'num-steps': 'give --num_steps (with an underscore): a cap on the steps of each epoch',
+    'num_cores': "train_resnet_mp.py's and train_wds_cifar.py's (1: one replica, to debug): "
+                 'train_single_core.py runs one device, train_resnet_spmd.py every device of '
+                 'the host in one process',
+    'num_warmup_epochs': 'give --lr_warmup_epochs (epochs of linear warm-up; 0.9 by default)',
+    'persistent_workers': 'needs nothing: the shard loader keeps its workers (each holds its '
+                          "shards' stream)",
+    'pjrt_distributed': "train_resnet_mp.py's (torch.distributed's 'xla' process group for code "
+                        'of your own)',
+    'print-metrics': 'give --metrics_debug',
+    'profile_epoch': "give --profile_step alone: it counts the run's steps from its start (epoch "
+                     "E's step S is (E - 1) x an epoch's steps + S)",
+    'shard_param_on_dim_0': f'{_FSDP}',
+    'sharding': "train_resnet_spmd.py's (batch, fsdp, hybrid): this script is data-parallel, "
+                'every replica holding the whole model',
+    'tidy': 'needs nothing: upstream deletes the MNIST it downloaded into --datadir; these '
+            'scripts download nothing and never delete your data',
+    'train_dataset_len': 'give --fake_data with --num_steps (a cap on the steps of each epoch)',
+    'use_gradient_accumulation_loop': "not here: torch_xla's accumulation loop needs a step that "
+                                      "changes no tensor in place, and BatchNorm's statistics "
+                                      'do; --gradient_accumulation_steps compiles three graphs '
+                                      'for any count',
+    'use_gradient_checkpointing': "train_resnet_spmd.py's (each block of BLOCKS recomputed in "
+                                  'the backward, under any --sharding)',
+    'use_nested_fsdp': f'{_FSDP}, nested in the outer one',
+    'use_optimized_kwargs': "train_resnet_mp.py's (upstream's input pipeline for a TPU v4): "
+                            'here give --batch_size 128 --test_set_batch_size 128 --num_workers '
+                            '16 --persistent_workers --prefetch_factor 32 --loader_prefetch_size '
+                            '128 --device_prefetch_size 1 --host_to_device_transfer_threads 4',
+    'use_small_fake_sample': 'give --num_steps N with --fake_data: a cap on the steps of each '
+                             'epoch (upstream makes the fake epoch 50,000 samples)',
+    'use_syncfree_optim': "needs nothing: torch_xla's syncfree optimizers serve float16's "
+                          'gradient scaler; --amp here is bfloat16, which needs none (docs/tpu.md)',
+    'use_zero_grad': 'needs nothing: upstream parses it and never reads it; every step here '
+                     'zeroes the gradients',
+}

@@ -47,9 +47,16 @@ flags.DEFINE_string('model', 'resnet50', 'A torchvision classifier (resnet18, ..
 flags.DEFINE_integer('img_dim', 224, 'Image side in pixels; small values make CPU runs fast.', lower_bound=8)
 flags.DEFINE_integer('batch_size', 128, 'Training batch size per device (the global batch is this '
                      'times the devices of all hosts).', lower_bound=1)
+flags.DEFINE_integer('gradient_accumulation_steps', 1, 'Batches of --batch_size whose gradients '
+                     'make one optimizer step: a batch this many times larger at the same memory.',
+                     lower_bound=1)
 flags.DEFINE_integer('test_set_batch_size', 64, 'Evaluation batch size per device.', lower_bound=1)
 flags.DEFINE_integer('num_epochs', 18, 'Number of epochs.', lower_bound=1)
-flags.DEFINE_integer('num_steps', None, 'Cap on training and evaluation steps per epoch.', lower_bound=1)
+flags.DEFINE_integer('eval_interval', 1, 'Evaluate after every this many epochs, and after the last.',
+                     lower_bound=1)
+flags.DEFINE_bool('test_only_at_end', False, 'Evaluate after the last epoch only.')
+flags.DEFINE_integer('num_steps', None, 'Cap on training (optimizer) and evaluation steps per epoch.',
+                     lower_bound=1)
 flags.DEFINE_integer('log_steps', 20, 'Print a training line every this many steps.', lower_bound=1)
 flags.DEFINE_float('lr', None, 'Peak SGD LR (default: 0.5 for resnet50, else 0.1).', lower_bound=0.0)
 flags.DEFINE_enum('lr_scheduler_type', None, ['WarmupAndExponentialDecayScheduler', 'none'],
@@ -77,6 +84,16 @@ flags.DEFINE_string('logdir', None, 'TensorBoard folder for loss, rate, lr and a
 flags.DEFINE_bool('metrics_debug', False, "Print torch_xla's metrics report after each epoch.")
 flags.DEFINE_bool('profile', False, 'Start the profiler server so TensorBoard can capture a trace.')
 flags.DEFINE_integer('profiler_port', 9012, 'Profiler server port.')
+flags.DEFINE_integer('profile_step', None, 'Capture a trace of process 0 from this step on '
+                     '(counted from the run\'s start, as checkpoints count), into --profile_logdir.',
+                     lower_bound=0)
+flags.DEFINE_integer('profile_duration_ms', 5000, 'How long --profile_step traces.', lower_bound=1)
+flags.DEFINE_string('profile_logdir', None, "Folder (or gs://) for --profile_step's trace "
+                    '(default: --logdir), which TensorBoard\'s profile tab reads.')
+flags.register_multi_flags_validator(
+    ['profile_step', 'profile_logdir', 'logdir'],
+    lambda f: f['profile_step'] is None or bool(f['profile_logdir'] or f['logdir']),
+    '--profile_step needs a folder for its trace: give --profile_logdir DIR (or --logdir)')
 flags.DEFINE_string('results_json', None, 'Write accuracy, rates and compile counts here (process 0).')
 flags.DEFINE_string('ckpt_dir', None, 'Save checkpoints here, resume from the newest (pod: gs://...).')
 flags.DEFINE_integer('ckpt_every_steps', None, 'Also save every N steps.', lower_bound=1)
@@ -225,9 +242,10 @@ def load_data(cfg, host, hosts, local_devices):
     def fake(batch_size, samples):  # One constant batch: the run measures the devices alone.
       batch = dict(images=torch.zeros(batch_size, 3, cfg.img_dim, cfg.img_dim),
                    labels=torch.zeros(batch_size, dtype=torch.int64))
-      return utils.EpochLoader(xu.SampleGenerator(batch, samples // hosts // batch_size), cap)
-    return (fake(batch_size, FAKE_TRAIN_SAMPLES), fake(test_batch_size, FAKE_TEST_SAMPLES),
-            FAKE_CLASSES)
+      return xu.SampleGenerator(batch, samples // hosts // batch_size)
+    return (utils.EpochLoader(fake(batch_size, FAKE_TRAIN_SAMPLES), cap,
+                              per_step=cfg.gradient_accumulation_steps),
+            utils.EpochLoader(fake(test_batch_size, FAKE_TEST_SAMPLES), cap), FAKE_CLASSES)
   train_set, test_set, num_classes = build_datasets(cfg)
   # Batches of (seed, epoch), each crop of its sample's seed: a resume sees the very same ones.
   sampler = utils.EpochSampler(train_set, host, hosts, cfg.seed, batch_size)
@@ -244,8 +262,8 @@ def load_data(cfg, host, hosts, local_devices):
   # Padded with label -1 (not counted) to whole batches: every batch has one shape.
   test_set = utils.eval_share(test_set, host, hosts, test_batch_size)
   test_loader = torch.utils.data.DataLoader(test_set, test_batch_size, **workers)
-  return (utils.EpochLoader(train_loader, cap, order=sampler), utils.EpochLoader(test_loader, cap),
-          num_classes)
+  return (utils.EpochLoader(train_loader, cap, sampler, cfg.gradient_accumulation_steps),
+          utils.EpochLoader(test_loader, cap), num_classes)
 
 
 class MeshStopVote(utils.StopVote):
@@ -297,8 +315,9 @@ def start_run(cfg, num_classes, steps_per_epoch, stop_signal, mesh):
   if state is not None:
     utils.say_resumed(path, state, vars(cfg), restore_checkpoint(run, state))
   run.log = utils.StepLog(device, writer, run.results['history'])  # After the restore.
-  # The profiler serves TensorBoard's captures while this run is held (until train returns).
-  run.profiler = xp.start_server(cfg.profiler_port) if cfg.profile else None
+  # The profiler serves TensorBoard's captures, and --profile_step's, while this run is held.
+  run.profiler = (xp.start_server(cfg.profiler_port)
+                  if cfg.profile or cfg.profile_step is not None else None)
   return run
 
 
@@ -327,18 +346,22 @@ def weights(model):
   return {name.replace('_orig_module.', ''): tensor for name, tensor in model.state_dict().items()}
 
 
-def train_step(model, optimizer, scheduler, images, labels, cfg):
-  optimizer.zero_grad()
+def train_step(model, optimizer, scheduler, images, labels, cfg, part=(1, 1)):
+  """Adds the gradients of the batch's loss to the weights'; on the last batch of a step (part: i
+  of n, n --gradient_accumulation_steps), steps. Returns the loss / n."""
+  i, n = part
   # --amp: bfloat16 has float32's range, so no gradient scaler (see docs/tpu.md).
   with torch.autocast('xla', dtype=torch.bfloat16, enabled=cfg.amp):
     output = model(utils.normalize(images))
-    loss = F.cross_entropy(utils.check_scores(output, labels, cfg.num_classes), labels)
-  loss.backward()
-  # Not xm.optimizer_step: the loss is the global batch's mean, whose gradients the compiler
-  # has already reduced over the mesh.
-  optimizer.step()
-  if scheduler is not None:
-    scheduler.step()
+    loss = F.cross_entropy(utils.check_scores(output, labels, cfg.num_classes), labels) / n
+  loss.backward()  # Added to the gradients of the step's batches before.
+  if i == n:
+    # Not xm.optimizer_step: the loss is the global batch's mean, whose gradients the compiler
+    # has already reduced over the mesh.
+    optimizer.step()
+    optimizer.zero_grad()  # For the next step's first batch.
+    if scheduler is not None:
+      scheduler.step()
   return loss
 
 
@@ -348,17 +371,29 @@ def train_one_epoch(run, loader, epoch, first_step):
   tracker = xm.RateTracker()
   run.model.train()
   steps = 0
-  for step, batch in enumerate(loader, first_step):
-    with xp.StepTrace('train_step', step_num=step):  # Named steps in a profile; ends in a sync.
-      loss = train_step(run.model, run.optimizer, run.scheduler, batch['images'], batch['labels'],
-                        cfg)
-      tracker.add(cfg.batch_size * run.results['world_size'])
-      if step % cfg.log_steps == 0:
-        xm.add_step_closure(run.log.add, args=(epoch, step, run.global_step, loss, tracker,
-                                               run.optimizer.param_groups[0]['lr']))
-      # The same answer on every process; the end of the run if loss or weights run away, or a
-      # label is none of the classes.
-      stopping = run.stop.agreed_after_step(loss, batch['labels'], f'epoch {epoch} step {step}')
+  for step, batches in enumerate(utils.in_steps(loader, cfg.gradient_accumulation_steps),
+                                 first_step):
+    if run.global_step == cfg.profile_step and xm.is_master_ordinal():
+      # A trace of the next --profile_duration_ms, written by a thread as the run trains on.
+      xp.trace_detached(f'localhost:{cfg.profiler_port}', cfg.profile_logdir or cfg.logdir,
+                        duration_ms=cfg.profile_duration_ms)
+    loss = 0
+    for i, batch in enumerate(batches, 1):
+      # Named steps in a profile; each batch ends in a sync, so that a step of several holds one
+      # batch's activations at a time, and compiles three graphs however many there are.
+      with xp.StepTrace('train_step', step_num=step):
+        loss = loss + train_step(run.model, run.optimizer, run.scheduler, batch['images'],
+                                 batch['labels'], cfg, (i, len(batches)))
+        if i < len(batches):
+          continue
+        labels = torch.cat([batch['labels'] for batch in batches])
+        tracker.add(len(labels))
+        if step % cfg.log_steps == 0:
+          xm.add_step_closure(run.log.add, args=(epoch, step, run.global_step, loss, tracker,
+                                                 run.optimizer.param_groups[0]['lr']))
+        # The same answer on every process; the end of the run if loss or weights run away, or a
+        # label is none of the classes.
+        stopping = run.stop.agreed_after_step(loss, labels, f'epoch {epoch} step {step}')
     steps += 1
     run.global_step += 1
     if stopping:
@@ -424,14 +459,18 @@ def stop_run(run, epoch, step, saved=None):
 
 
 def end_epoch(run, epoch, accuracy, counts):
-  """Records and saves an evaluated epoch; returns (whether to stop now, its checkpoint or None)."""
+  """Records and saves an epoch, evaluated or not (accuracy None); returns (whether to stop now,
+  its checkpoint or None)."""
   results = run.results
-  best = accuracy > results['max_accuracy']
-  results['epoch_accuracies'].append(accuracy)
-  results.update(epochs=epoch, final_accuracy=accuracy, eval_correct=counts[0],
-                 eval_samples=counts[1], max_accuracy=max(results['max_accuracy'], accuracy))
-  results['compilations_after_epoch'].append(utils.compile_count())
-  test_utils.write_to_summary(run.log.writer, epoch, {'Accuracy/test': accuracy})
+  results['epochs'] = epoch
+  best = accuracy is not None and accuracy > results['max_accuracy']
+  if accuracy is not None:  # Only evaluated epochs count for best.pt, the target and the results.
+    results['epoch_accuracies'].append(accuracy)
+    results['eval_epochs'].append(epoch)
+    results.update(final_accuracy=accuracy, eval_correct=counts[0], eval_samples=counts[1],
+                   max_accuracy=max(results['max_accuracy'], accuracy))
+    results['compilations_after_epoch'].append(utils.compile_count())
+    test_utils.write_to_summary(run.log.writer, epoch, {'Accuracy/test': accuracy})
   utils.check_learning(run.log, epoch, run.num_classes, run.cfg.lr,
                        recipe(run.cfg)[1]['lr'])
   if run.cfg.metrics_debug:
@@ -500,7 +539,7 @@ def train(cfg, stop_signal):
   local_devices = xr.addressable_runtime_device_count()
   mesh = build_mesh(cfg, devices, hosts)
   train_loader, test_loader, num_classes = load_data(cfg, host, hosts, local_devices)
-  run = start_run(cfg, num_classes, train_loader.num_batches, stop_signal, mesh)
+  run = start_run(cfg, num_classes, train_loader.steps, stop_signal, mesh)
   results, device = run.results, torch_xla.device()
   train_device_loader, test_device_loader = (sharded(loader, mesh, device, cfg)
                                              for loader in (train_loader, test_loader))
@@ -524,21 +563,26 @@ def train(cfg, stop_signal):
         say_held(run)
       if stopped:  # By SIGTERM, SIGHUP or Ctrl-C: saved here (--ckpt_dir); exit code 75 or 130.
         return results, stop_run(run, epoch, first_step + steps)
-      print(f'Epoch {epoch} Host Train Samples={steps * cfg.batch_size * local_devices} '
+      samples = steps * cfg.batch_size * cfg.gradient_accumulation_steps
+      print(f'Epoch {epoch} Host Train Samples={samples * local_devices} '
             f'Devices={local_devices} of {devices} Host={host}', flush=True)
-      rate = steps * cfg.batch_size * devices / seconds  # Every host runs every step.
+      rate = samples * devices / seconds  # Every host runs every step.
       results['epoch_rates'] += [rate] if steps else []
       xm.master_print(f'Epoch {epoch} train end {test_utils.now()}, Reduced GlobalRate={rate:.2f}',
                       flush=True)
-      accuracy, *counts = evaluate(run.model, test_device_loader, cfg)
-      test_loader.check()
-      xm.master_print(f'Epoch {epoch} test end {test_utils.now()}, Accuracy={accuracy:.2f}', flush=True)
+      accuracy = counts = None  # Unless evaluated (--eval_interval, --test_only_at_end).
+      if utils.evaluates(epoch, cfg.num_epochs, cfg.eval_interval, cfg.test_only_at_end):
+        accuracy, *counts = evaluate(run.model, test_device_loader, cfg)
+        test_loader.check()
+        xm.master_print(f'Epoch {epoch} test end {test_utils.now()}, Accuracy={accuracy:.2f}',
+                        flush=True)
       stop, saved = end_epoch(run, epoch, accuracy, counts)
       if stop:  # The same, asked for as the epoch ended: its checkpoint holds this state.
         return results, stop_run(run, epoch + 1, 0, saved)
   except utils.Diverged as error:  # From run.stop: the loss or weights ran away (see StopVote).
     results['diverged'] = str(error)  # Nothing is saved after it.
-  utils.add_totals(results, run.global_step, cfg.batch_size * devices, run.log)
+  utils.add_totals(results, run.global_step,
+                   cfg.batch_size * cfg.gradient_accumulation_steps * devices, run.log)
   if 'diverged' in results:
     return results, utils.say_diverged(results['diverged'], vars(cfg))  # Exit code 22
   return results, utils.say_finished(results, cfg.target_accuracy)  # Done: 0, or 21 below target
@@ -724,4 +768,6 @@ if __name__ == '__main__':
   if utils.in_notebook():  # %run in a notebook: a command of its own, as run() starts it.
     run(sys.argv[1:])
   else:
-    app.run(main, flags_parser=utils.parse_flags)
+    # A flag of upstream's scripts that this one lacks: what does its job here (supervisor.py).
+    app.run(main, flags_parser=lambda argv: utils.parse_flags(
+        argv, supervisor.UPSTREAM_FLAGS if supervisor else None))

@@ -75,10 +75,17 @@ flags.DEFINE_integer('img_dim', 32, 'Side of the images the model gets. Images o
 flags.DEFINE_integer('num_cores', None, '1: one process, to debug (unset: one per local device).',
                      lower_bound=1, upper_bound=1)
 flags.DEFINE_integer('batch_size', 128, 'Training batch size of each replica.', lower_bound=1)
+flags.DEFINE_integer('gradient_accumulation_steps', 1, 'Batches of --batch_size whose gradients '
+                     'make one optimizer step: a batch this many times larger at the same memory.',
+                     lower_bound=1)
 flags.DEFINE_integer('test_set_batch_size', 64, 'Evaluation batch size of each replica.', lower_bound=1)
 flags.DEFINE_integer('num_epochs', None, 'Number of epochs (default: the recipe\'s, 30 for CIFAR-10, '
                      '18 for ImageNet).', lower_bound=1)
-flags.DEFINE_integer('num_steps', None, 'Cap on training and evaluation steps per epoch.', lower_bound=1)
+flags.DEFINE_integer('eval_interval', 1, 'Evaluate after every this many epochs, and after the last.',
+                     lower_bound=1)
+flags.DEFINE_bool('test_only_at_end', False, 'Evaluate after the last epoch only.')
+flags.DEFINE_integer('num_steps', None, 'Cap on training (optimizer) and evaluation steps per epoch.',
+                     lower_bound=1)
 flags.DEFINE_integer('log_steps', 20, 'Print a training line every this many steps.', lower_bound=1)
 flags.DEFINE_float('lr', None, 'Peak learning rate (SGD; default: the recipe\'s, 0.5 for resnet50 '
                    'above 32 px, else 0.1).', lower_bound=0.0)
@@ -112,6 +119,16 @@ flags.DEFINE_string('logdir', None, 'TensorBoard folder for loss, rate, lr and a
 flags.DEFINE_bool('metrics_debug', False, "Print torch_xla's metrics report after each epoch.")
 flags.DEFINE_bool('profile', False, 'Start the profiler server so TensorBoard can capture a trace.')
 flags.DEFINE_integer('profiler_port', 9012, 'Profiler port of local replica 0 (replica i: + i).')
+flags.DEFINE_integer('profile_step', None, 'Capture a trace of the master replica from this step on '
+                     '(counted from the run\'s start, as checkpoints count), into --profile_logdir.',
+                     lower_bound=0)
+flags.DEFINE_integer('profile_duration_ms', 5000, 'How long --profile_step traces.', lower_bound=1)
+flags.DEFINE_string('profile_logdir', None, "Folder (or gs://) for --profile_step's trace "
+                    '(default: --logdir), which TensorBoard\'s profile tab reads.')
+flags.register_multi_flags_validator(
+    ['profile_step', 'profile_logdir', 'logdir'],
+    lambda f: f['profile_step'] is None or bool(f['profile_logdir'] or f['logdir']),
+    '--profile_step needs a folder for its trace: give --profile_logdir DIR (or --logdir)')
 flags.DEFINE_string('results_json', None, 'Write accuracy, rates and compile counts here at exit.')
 
 # --help answers here, before torch and torch_xla load (seconds): absl prints it as it parses.
@@ -510,11 +527,15 @@ def load_data(cfg, rank, world_size):
         f'x {plural(max(1, cfg.num_workers), "loader worker")} (each needs a shard of its own): '
         'write more, '
         'smaller shards (make_cifar_shards.py --samples_per_shard) or lower --num_workers')
-  steps = cfg.trainsize // (cfg.batch_size * world_size)
+  per_step = cfg.gradient_accumulation_steps
+  steps = cfg.trainsize // (cfg.batch_size * per_step * world_size)
   if steps == 0:
     raise utils.UsageError(f'--trainsize {cfg.trainsize} makes no batch of {cfg.batch_size} for '
-                           f'each of {world_size} replicas: lower --batch_size')
-  train_set = TrainShards(train_urls, rank, world_size, min(steps, cfg.num_steps or steps), cfg)
+                           f'each of {world_size} replicas' + (f' x {per_step} (a step)' if per_step > 1
+                           else '') + ': lower --batch_size' +
+                           (' or --gradient_accumulation_steps' if per_step > 1 else ''))
+  train_set = TrainShards(train_urls, rank, world_size,
+                          min(steps, cfg.num_steps or steps) * per_step, cfg)
   test_set = TestShards(test_urls, rank, world_size, cfg)
 
   def loader(dataset, workers):
@@ -524,8 +545,8 @@ def load_data(cfg, rank, world_size):
     return torch.utils.data.DataLoader(dataset, batch_size=None, **options)
 
   # Test shards are fewer: a worker for each of this replica's, up to --num_workers.
-  return (utils.EpochLoader(loader(train_set, cfg.num_workers), train_set.batches,
-                            order=train_set),
+  return (utils.EpochLoader(loader(train_set, cfg.num_workers), train_set.batches // per_step,
+                            train_set, per_step),
           utils.EpochLoader(loader(test_set, min(cfg.num_workers, len(test_set.urls))),
                             cfg.num_steps or sys.maxsize), cfg.num_classes)
 
@@ -557,21 +578,26 @@ def start_run(cfg, num_classes, steps_per_epoch, stop_signal):
   if state is not None:
     utils.say_resumed(path, state, vars(cfg), restore_checkpoint(run, state))
   run.log = utils.StepLog(device, writer, run.results['history'])  # After the restore.
-  # The profiler serves TensorBoard's captures while this run is held (until train returns).
-  run.profiler = xp.start_server(cfg.profiler_port + xr.local_ordinal()) if cfg.profile else None
+  # The profiler serves TensorBoard's captures, and --profile_step's, while this run is held.
+  run.profiler = (xp.start_server(cfg.profiler_port + xr.local_ordinal())
+                  if cfg.profile or cfg.profile_step is not None else None)
   return run
 
 
-def train_step(model, optimizer, scheduler, images, labels, cfg):
-  optimizer.zero_grad()
+def train_step(model, optimizer, scheduler, images, labels, cfg, part=(1, 1)):
+  """Adds the gradients of the batch's loss to the weights'; on the last batch of a step (part: i
+  of n, n --gradient_accumulation_steps), steps. Returns the loss / n."""
+  i, n = part
   # --amp: bfloat16 has float32's range, so no gradient scaler (see docs/tpu.md).
   with torch.autocast('xla', dtype=torch.bfloat16, enabled=cfg.amp):
     output = model(utils.normalize(images, *mean_std(cfg.img_dim)))
-    loss = F.cross_entropy(utils.check_scores(output, labels, cfg.num_classes), labels)
-  loss.backward()
-  xm.optimizer_step(optimizer)  # All-reduces the gradients over every replica, then steps.
-  if scheduler is not None:
-    scheduler.step()
+    loss = F.cross_entropy(utils.check_scores(output, labels, cfg.num_classes), labels) / n
+  loss.backward()  # Added to the gradients of the step's batches before.
+  if i == n:
+    xm.optimizer_step(optimizer)  # All-reduces the gradients over every replica, then steps.
+    optimizer.zero_grad()  # For the next step's first batch.
+    if scheduler is not None:
+      scheduler.step()
   return loss
 
 
@@ -581,16 +607,29 @@ def train_one_epoch(run, loader, epoch, first_step):
   tracker = xm.RateTracker()
   run.model.train()
   steps = 0
-  for step, (images, labels) in enumerate(loader, first_step):
-    with xp.StepTrace('train_step', step_num=step):  # Named steps in a profile; ends in a sync.
-      loss = train_step(run.model, run.optimizer, run.scheduler, images, labels, cfg)
-      tracker.add(cfg.batch_size)
-      if step % cfg.log_steps == 0:
-        xm.add_step_closure(run.log.add, args=(epoch, step, run.global_step, loss, tracker,
-                                               run.optimizer.param_groups[0]['lr']))
-      # The same answer on every process; the end of the run if loss or weights run away, or a
-      # label is none of the classes.
-      stopping = run.stop.agreed_after_step(loss, labels, f'epoch {epoch} step {step}')
+  for step, batches in enumerate(utils.in_steps(loader, cfg.gradient_accumulation_steps),
+                                 first_step):
+    if run.global_step == cfg.profile_step and xm.is_master_ordinal():
+      # A trace of the next --profile_duration_ms, written by a thread as the run trains on.
+      xp.trace_detached(f'localhost:{cfg.profiler_port}', cfg.profile_logdir or cfg.logdir,
+                        duration_ms=cfg.profile_duration_ms)
+    loss = 0
+    for i, (images, labels) in enumerate(batches, 1):
+      # Named steps in a profile; each batch ends in a sync, so that a step of several holds one
+      # batch's activations at a time, and compiles three graphs however many there are.
+      with xp.StepTrace('train_step', step_num=step):
+        loss = loss + train_step(run.model, run.optimizer, run.scheduler, images,
+                                 labels, cfg, (i, len(batches)))
+        if i < len(batches):
+          continue
+        labels = torch.cat([labels for _, labels in batches])
+        tracker.add(len(labels))
+        if step % cfg.log_steps == 0:
+          xm.add_step_closure(run.log.add, args=(epoch, step, run.global_step, loss, tracker,
+                                                 run.optimizer.param_groups[0]['lr']))
+        # The same answer on every process; the end of the run if loss or weights run away, or a
+        # label is none of the classes.
+        stopping = run.stop.agreed_after_step(loss, labels, f'epoch {epoch} step {step}')
     steps += 1
     run.global_step += 1
     if stopping:
@@ -655,14 +694,18 @@ def stop_run(run, epoch, step, saved=None):
 
 
 def end_epoch(run, epoch, accuracy, counts):
-  """Records and saves an evaluated epoch; returns (whether to stop now, its checkpoint or None)."""
+  """Records and saves an epoch, evaluated or not (accuracy None); returns (whether to stop now,
+  its checkpoint or None)."""
   results = run.results
-  best = accuracy > results['max_accuracy']
-  results['epoch_accuracies'].append(accuracy)
-  results.update(epochs=epoch, final_accuracy=accuracy, eval_correct=counts[0],
-                 eval_samples=counts[1], max_accuracy=max(results['max_accuracy'], accuracy))
-  results['compilations_after_epoch'].append(utils.compile_count())
-  test_utils.write_to_summary(run.log.writer, epoch, {'Accuracy/test': accuracy})
+  results['epochs'] = epoch
+  best = accuracy is not None and accuracy > results['max_accuracy']
+  if accuracy is not None:  # Only evaluated epochs count for best.pt, the target and the results.
+    results['epoch_accuracies'].append(accuracy)
+    results['eval_epochs'].append(epoch)
+    results.update(final_accuracy=accuracy, eval_correct=counts[0], eval_samples=counts[1],
+                   max_accuracy=max(results['max_accuracy'], accuracy))
+    results['compilations_after_epoch'].append(utils.compile_count())
+    test_utils.write_to_summary(run.log.writer, epoch, {'Accuracy/test': accuracy})
   utils.check_learning(run.log, epoch, run.num_classes, run.cfg.lr,
                        recipe(run.cfg)[1]['lr'])
   if run.cfg.metrics_debug:
@@ -679,7 +722,7 @@ def train(cfg, stop_signal):
   torch.manual_seed(cfg.seed)
   rank, world_size, device = xr.global_ordinal(), xr.world_size(), torch_xla.device()
   train_loader, test_loader, num_classes = load_data(cfg, rank, world_size)
-  run = start_run(cfg, num_classes, train_loader.num_batches, stop_signal)
+  run = start_run(cfg, num_classes, train_loader.steps, stop_signal)
   results = run.results
   prefetch = {name: getattr(cfg, name) for name in (
       'loader_prefetch_size', 'device_prefetch_size', 'host_to_device_transfer_threads')}
@@ -702,23 +745,26 @@ def train(cfg, stop_signal):
       count_data(results, train_loader.order.read_counts(), epoch, rank, cfg.trainsize)
       if stopped:  # By SIGTERM, SIGHUP or Ctrl-C: saved here (--ckpt_dir); exit code 75 or 130.
         return results, stop_run(run, epoch, first_step + steps)
-      print(f'Epoch {epoch} Replica Train Samples={steps * cfg.batch_size} Device={device}/{rank}',
-            flush=True)
-      rate = xm.mesh_reduce('epoch_rate', steps * cfg.batch_size / seconds, sum)
+      samples = steps * cfg.batch_size * cfg.gradient_accumulation_steps
+      print(f'Epoch {epoch} Replica Train Samples={samples} Device={device}/{rank}', flush=True)
+      rate = xm.mesh_reduce('epoch_rate', samples / seconds, sum)
       results['epoch_rates'] += [rate] if steps else []
       xm.master_print(f'Epoch {epoch} train end {test_utils.now()}, Reduced GlobalRate={rate:.2f}',
                       flush=True)
-      accuracy, *counts = evaluate(run.model, test_device_loader, cfg)
-      test_loader.check()
-      count_test_data(cfg, int(test_loader.loader.dataset.counts.sum()), counts[1], epoch, rank)
-      xm.master_print(f'Epoch {epoch} test end {test_utils.now()}, ' + (
-          f'Accuracy={accuracy:.2f}' if counts[1] else NO_TEST_SAMPLE), flush=True)
+      accuracy = counts = None  # Unless evaluated (--eval_interval, --test_only_at_end).
+      if utils.evaluates(epoch, cfg.num_epochs, cfg.eval_interval, cfg.test_only_at_end):
+        accuracy, *counts = evaluate(run.model, test_device_loader, cfg)
+        test_loader.check()
+        count_test_data(cfg, int(test_loader.loader.dataset.counts.sum()), counts[1], epoch, rank)
+        xm.master_print(f'Epoch {epoch} test end {test_utils.now()}, ' + (
+            f'Accuracy={accuracy:.2f}' if counts[1] else NO_TEST_SAMPLE), flush=True)
       stop, saved = end_epoch(run, epoch, accuracy, counts)
       if stop:  # The same, asked for as the epoch ended: its checkpoint holds this state.
         return results, stop_run(run, epoch + 1, 0, saved)
   except utils.Diverged as error:  # From run.stop: the loss or weights ran away (see StopVote).
     results['diverged'] = str(error)  # Nothing is saved after it.
-  utils.add_totals(results, run.global_step, cfg.batch_size * world_size, run.log)
+  utils.add_totals(results, run.global_step,
+                   cfg.batch_size * cfg.gradient_accumulation_steps * world_size, run.log)
   if 'diverged' in results:
     return results, utils.say_diverged(results['diverged'], vars(cfg))  # Exit code 22
   return results, utils.say_finished(results, cfg.target_accuracy)  # Done: 0, or 21 below target
@@ -1243,7 +1289,9 @@ if __name__ == '__main__':
     run(sys.argv[1:])
   else:
     flags.mark_flags_as_required(REQUIRED_FLAGS)  # Not at import: benchmarks and tests import it.
-    app.run(main, flags_parser=lambda argv: utils.parse_flags(argv, ELSEWHERE))
+    # A flag of upstream's scripts or of the image-folder ones: what does its job here.
+    app.run(main, flags_parser=lambda argv: utils.parse_flags(
+        argv, {**(supervisor.UPSTREAM_FLAGS if supervisor else {}), **ELSEWHERE}))
 elif __name__ == '__mp_main__':
   # A replica imports this file in its main thread, the only one that may catch a signal.
   utils.stop_on_signals()

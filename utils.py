@@ -58,7 +58,8 @@ INTERRUPT = os.environ.get('INTERRUPT_NAME', 'Ctrl-C')
 BUCKET_SECONDS = float(os.environ.get('BUCKET_TIMEOUT', 120))
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)  # of pixels 0 to 1
 # Flags that decide an epoch's batches: a resume with another value warns (checkpoint_to_resume).
-BATCH_FLAGS = ('datadir', 'fake_data', 'batch_size', 'seed', 'num_steps', 'img_dim', 'drop_last')
+BATCH_FLAGS = ('datadir', 'fake_data', 'batch_size', 'gradient_accumulation_steps', 'seed',
+               'num_steps', 'img_dim', 'drop_last')
 # SIGHUP: a closed terminal or ssh session. Under nohup it is ignored, and stays so.
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
@@ -390,28 +391,34 @@ def eval_share(dataset, rank, world_size, batch_size):
 
 
 class EpochLoader:
-  """At most num_batches batches of loader an epoch, from set_epoch's first_step on (`order`
-  skips the trained ones; None batches are dropped): leaving MpDeviceLoader's loop early
-  would leave a thread behind. check() raises the loader error MpDeviceLoader swallows."""
+  """At most `steps` steps of per_step batches of loader an epoch (num_batches in all), from
+  set_epoch's first step on (`order` skips the trained ones; None batches are dropped):
+  leaving MpDeviceLoader's loop early would leave a thread behind. check() raises the loader
+  error MpDeviceLoader swallows."""
 
-  def __init__(self, loader, num_batches, order=None):
+  def __init__(self, loader, steps, order=None, per_step=1):
     self.loader, self.order, self.first_step, self.error = loader, order, 0, None
     try:
-      self.num_batches = min(len(loader), num_batches)
+      self.steps = min(len(loader) // per_step, steps)
     except TypeError:  # An iterable dataset has no length: the cap is the epoch.
-      self.num_batches = num_batches
+      self.steps = steps
+    if self.steps == 0 and per_step > 1:
+      raise UsageError(f'an epoch of {len(loader)} batches makes no step of '
+                       f'--gradient_accumulation_steps {per_step}: lower it or --batch_size')
+    self.per_step, self.num_batches = per_step, self.steps * per_step
 
   def set_epoch(self, epoch, first_step=0):
+    """first_step: in steps, of per_step batches each."""
     if self.order is not None:
-      self.order.set_epoch(epoch, first_step)
-    self.first_step = first_step
+      self.order.set_epoch(epoch, first_step * self.per_step)
+    self.first_step = first_step * self.per_step
 
   def __iter__(self):
     self.error = None
     if self.first_step >= self.num_batches:
       if self.first_step > self.num_batches:  # A resume after a flag that decides them changed.
-        xm.master_print(f'warning: the run resumed after step {self.first_step} of an epoch that '
-                        f'has {self.num_batches} step{"s" * (self.num_batches != 1)} now: it '
+        xm.master_print(f'warning: the run resumed after step {self.first_step // self.per_step} '
+                        f'of an epoch that has {self.steps} step{"s" * (self.steps != 1)} now: it '
                         'trains none of them; the epoch ends here', fd=sys.stderr, flush=True)
       return  # Without starting loader workers for nothing.
     try:  # islice: no batch past the cap is asked for (or read, or counted).
@@ -427,6 +434,18 @@ class EpochLoader:
   def check(self):
     if self.error is not None:
       raise self.error
+
+
+def in_steps(batches, per_step):
+  """Lists of per_step batches, one per optimizer step (--gradient_accumulation_steps)."""
+  batches = iter(batches)
+  return iter(lambda: list(itertools.islice(batches, per_step)), [])
+
+
+def evaluates(epoch, num_epochs, interval, only_at_end):
+  """Whether epoch is evaluated: every interval-th and the last (--eval_interval,
+  --test_only_at_end), a function of the epoch alone, so that a resumed run keeps the schedule."""
+  return epoch == num_epochs or (not only_at_end and epoch % interval == 0)
 
 
 def warmup_step_decay(step, steps_per_epoch, warmup_epochs, divide_every_n_epochs, divisor):
@@ -482,7 +501,7 @@ def new_results(model, **extra):
   """The numbers a run adds up as it goes, which --results_json writes (see docs/scripts.md)."""
   return dict(dict(model=model, script=os.path.basename(sys.argv[0]), world_size=xr.world_size(),
                    epochs=0, max_accuracy=0.0, final_accuracy=0.0, eval_correct=0,
-                   eval_samples=0, epoch_rates=[], epoch_accuracies=[],
+                   eval_samples=0, epoch_rates=[], epoch_accuracies=[], eval_epochs=[],
                    compilations_after_epoch=[], train_seconds=0.0, history=[],
                    bf16=os.environ.get('XLA_USE_BF16') == '1'), **extra)  # extra overrides.
 
@@ -859,6 +878,8 @@ def checkpoint_to_resume(resume_path, ckpt_dir, weights, flag_values, world_size
                      f'{"sharded checkpoints" if sharded else "checkpoints of one file"}: give '
                      'one of a run of this script as it is now, or another --ckpt_dir')
   check_same_model(weights, state, path, flag_values)
+  accuracies = state['results']['epoch_accuracies']  # Saved before --eval_interval: every epoch.
+  state['results'].setdefault('eval_epochs', list(range(1, len(accuracies) + 1)))
   where = f'epoch {state["epoch"]} goes on from step {state["step"]}'
   for name in batch_flags:
     if name in state['flags'] and state['flags'][name] != flag_values.get(name):

@@ -17,41 +17,49 @@ MESH = ('train_resnet_spmd.py',)
 ONE_DEVICE = ('train_single_core.py',)
 SHARDS = ('train_wds_cifar.py',)
 NO_SPAWN = MESH + ONE_DEVICE
+NO_DDP = MESH + ONE_DEVICE + SHARDS
 
 # (scripts, why, [(the reference's text, theirs), ...]): each text replaced wherever it stands
 # in the reference's functions.
 DIFFERENCES = [
+    (NO_DDP, "--ddp is train_resnet_mp.py's, for torch.distributed code brought to it: the others "
+     'step as they did',
+     [("""    if cfg.ddp:  # DDP's backward has all-reduced the gradients.
+      optimizer.step()
+    else:
+      xm.optimizer_step(optimizer)  # All-reduces the gradients over every replica, then steps.""",
+       """    xm.optimizer_step(optimizer)  # All-reduces the gradients over every replica, then steps."""),
+      ("""train_step(run.ddp or run.model,""", """train_step(run.model,""")]),
     (NO_SPAWN, 'no spawn: one process (a host\'s, or the only one), whose failure main says',
      [("""A replica that fails raises: utils.replica,
   in _mp_fn, says why and ends the run (exit code 2, or 1 and a traceback for a bug).""",
        """A run that fails raises: main says why in
   one line (exit code 2), or app.run prints the traceback of a bug (exit code 1).""")]),
     (MESH, 'the mesh: the loss is the global batch\'s mean; the compiler reduces its gradients',
-     [("""  xm.optimizer_step(optimizer)  # All-reduces the gradients over every replica, then steps.""",
-       """  # Not xm.optimizer_step: the loss is the global batch's mean, whose gradients the compiler
-  # has already reduced over the mesh.
-  optimizer.step()""")]),
+     [("""    xm.optimizer_step(optimizer)  # All-reduces the gradients over every replica, then steps.""",
+       """    # Not xm.optimizer_step: the loss is the global batch's mean, whose gradients the compiler
+    # has already reduced over the mesh.
+    optimizer.step()""")]),
     (MESH, 'the mesh: a batch is a dict, whose keys MpDeviceLoader shards each their own way',
-     [("""  for step, (images, labels) in enumerate(loader, first_step):""",
-       """  for step, batch in enumerate(loader, first_step):"""),
-      ("""      loss = train_step(run.model, run.optimizer, run.scheduler, images, labels, cfg)""",
-       """      loss = train_step(run.model, run.optimizer, run.scheduler, batch['images'], batch['labels'],
-                        cfg)"""),
-      ("""run.stop.agreed_after_step(loss, labels,""", """run.stop.agreed_after_step(loss, batch['labels'],"""),
+     [("""    for i, (images, labels) in enumerate(batches, 1):""",
+       """    for i, batch in enumerate(batches, 1):"""),
+      ("""        loss = loss + train_step(run.model, run.optimizer, run.scheduler, images,
+                                 labels, cfg, (i, len(batches)))""",
+       """        loss = loss + train_step(run.model, run.optimizer, run.scheduler, batch['images'],
+                                 batch['labels'], cfg, (i, len(batches)))"""),
+      ("""        labels = torch.cat([labels for _, labels in batches])""",
+       """        labels = torch.cat([batch['labels'] for batch in batches])"""),
       ("""    for images, labels in loader:""",
        """    for batch in loader:
       images, labels = batch['images'], batch['labels']""")]),
     (MESH, 'the mesh: a step trains the global batch, --batch_size on each device of every host',
-     [("""      tracker.add(cfg.batch_size)""",
-       """      tracker.add(cfg.batch_size * run.results['world_size'])"""),
-      ("""  utils.add_totals(results, run.global_step, cfg.batch_size * world_size, run.log)""",
-       """  utils.add_totals(results, run.global_step, cfg.batch_size * devices, run.log)"""),
-      ("""      print(f'Epoch {epoch} Replica Train Samples={steps * cfg.batch_size} Device={device}/{rank}',
-            flush=True)
-      rate = xm.mesh_reduce('epoch_rate', steps * cfg.batch_size / seconds, sum)""",
-       """      print(f'Epoch {epoch} Host Train Samples={steps * cfg.batch_size * local_devices} '
+     [("""                   cfg.batch_size * cfg.gradient_accumulation_steps * world_size, run.log)""",
+       """                   cfg.batch_size * cfg.gradient_accumulation_steps * devices, run.log)"""),
+      ("""      print(f'Epoch {epoch} Replica Train Samples={samples} Device={device}/{rank}', flush=True)
+      rate = xm.mesh_reduce('epoch_rate', samples / seconds, sum)""",
+       """      print(f'Epoch {epoch} Host Train Samples={samples * local_devices} '
             f'Devices={local_devices} of {devices} Host={host}', flush=True)
-      rate = steps * cfg.batch_size * devices / seconds  # Every host runs every step.""")]),
+      rate = samples * devices / seconds  # Every host runs every step.""")]),
     (MESH, 'the mesh: its sums are over every device already, no all-reduce',
      [("""  # Counted on the device and read once at the end: an .item() per step would sync.""",
        """  # Counted on the device and read once at the end: an .item() per step would sync. The
@@ -63,7 +71,7 @@ DIFFERENCES = [
     (MESH, 'the mesh: one process per host drives every device of the mesh',
      [("""  rank, world_size, device = xr.global_ordinal(), xr.world_size(), torch_xla.device()
   train_loader, test_loader, num_classes = load_data(cfg, rank, world_size)
-  run = start_run(cfg, num_classes, train_loader.num_batches, stop_signal)
+  run = start_run(cfg, num_classes, train_loader.steps, stop_signal)
   results = run.results
   prefetch = {name: getattr(cfg, name) for name in (
       'loader_prefetch_size', 'device_prefetch_size', 'host_to_device_transfer_threads')}
@@ -73,7 +81,7 @@ DIFFERENCES = [
   local_devices = xr.addressable_runtime_device_count()
   mesh = build_mesh(cfg, devices, hosts)
   train_loader, test_loader, num_classes = load_data(cfg, host, hosts, local_devices)
-  run = start_run(cfg, num_classes, train_loader.num_batches, stop_signal, mesh)
+  run = start_run(cfg, num_classes, train_loader.steps, stop_signal, mesh)
   results, device = run.results, torch_xla.device()
   train_device_loader, test_device_loader = (sharded(loader, mesh, device, cfg)
                                              for loader in (train_loader, test_loader))"""),
@@ -96,14 +104,14 @@ DIFFERENCES = [
         say_held(run)
 """)]),
     (ONE_DEVICE, 'one device: no replicas, so no gradients to all-reduce and no rates to sum',
-     [("""  xm.optimizer_step(optimizer)  # All-reduces the gradients over every replica, then steps.""",
-       """  xm.optimizer_step(optimizer)"""),
+     [("""    xm.optimizer_step(optimizer)  # All-reduces the gradients over every replica, then steps.""",
+       """    xm.optimizer_step(optimizer)"""),
       ("""  rank, world_size, device = xr.global_ordinal(), xr.world_size(), torch_xla.device()""",
        """  rank, world_size, device = 0, 1, torch_xla.device()"""),
       ("""    xm.master_print(f'Replicas started: {world_size}; compiling the first step ...', flush=True)""",
        """    xm.master_print(f'Device {device}; compiling the first step ...', flush=True)"""),
-      ("""      rate = xm.mesh_reduce('epoch_rate', steps * cfg.batch_size / seconds, sum)""",
-       """      rate = steps * cfg.batch_size / seconds""")]),
+      ("""      rate = xm.mesh_reduce('epoch_rate', samples / seconds, sum)""",
+       """      rate = samples / seconds""")]),
     (ONE_DEVICE, 'one device: no model recipes, so --lr\'s default is the default rate',
      [("""                       recipe(run.cfg)[1]['lr'])""",
        """                       FLAGS['lr'].default)""")]),
@@ -115,10 +123,11 @@ DIFFERENCES = [
        """      results['train_seconds'] += seconds
       count_data(results, train_loader.order.read_counts(), epoch, rank, cfg.trainsize)
 """),
-      ("""      xm.master_print(f'Epoch {epoch} test end {test_utils.now()}, Accuracy={accuracy:.2f}', flush=True)""",
-       """      count_test_data(cfg, int(test_loader.loader.dataset.counts.sum()), counts[1], epoch, rank)
-      xm.master_print(f'Epoch {epoch} test end {test_utils.now()}, ' + (
-          f'Accuracy={accuracy:.2f}' if counts[1] else NO_TEST_SAMPLE), flush=True)""")]),
+      ("""        xm.master_print(f'Epoch {epoch} test end {test_utils.now()}, Accuracy={accuracy:.2f}',
+                        flush=True)""",
+       """        count_test_data(cfg, int(test_loader.loader.dataset.counts.sum()), counts[1], epoch, rank)
+        xm.master_print(f'Epoch {epoch} test end {test_utils.now()}, ' + (
+            f'Accuracy={accuracy:.2f}' if counts[1] else NO_TEST_SAMPLE), flush=True)""")]),
 ]
 # Functions a script does not have, and why.
 ABSENT = {('_mp_fn', script): 'no spawn: main runs train() itself' for script in NO_SPAWN}
