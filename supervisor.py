@@ -73,7 +73,8 @@ def check_job(cfg, build_datasets, build_model, fake_classes, given, recipe=None
     check_model_takes(model, train_set[0][0])
   optimizer = build_optimizer(cfg, model) if build_optimizer else None
   print(describe_recipe(cfg, recipe_source(given, *recipe or (None, {})), optimizer), flush=True)
-  check_outputs(cfg.ckpt_dir, cfg.logdir, cfg.results_json, cfg.compile_cache_dir)
+  check_outputs(cfg.ckpt_dir, cfg.logdir, cfg.results_json, cfg.compile_cache_dir,
+                cfg.profile_logdir if cfg.profile_step is not None else None)
 
 
 def check_datasets(train_set, eval_set, num_classes):
@@ -184,7 +185,7 @@ def usable_workers(num_workers, given):
   return cpus
 
 
-def check_outputs(ckpt_dir, logdir, results_json, compile_cache_dir=None):
+def check_outputs(ckpt_dir, logdir, results_json, compile_cache_dir=None, profile_logdir=None):
   """A probe file into each output folder given: a place that takes none fails before training,
   not after it. First refuses a ckpt_dir another run holds, then frees what a killed save left
   in it."""
@@ -193,6 +194,7 @@ def check_outputs(ckpt_dir, logdir, results_json, compile_cache_dir=None):
                            "cache with plain file I/O: give a folder on this host's disk or a "
                            'mounted one')
   folders = dict(ckpt_dir=ckpt_dir, logdir=logdir, compile_cache_dir=compile_cache_dir,
+                 profile_logdir=profile_logdir,
                  results_json=results_json and (os.path.dirname(results_json) or '.'))
   for flag, folder in ((flag, folder) for flag, folder in folders.items() if folder):
     try:
@@ -574,10 +576,10 @@ UPSTREAM_FLAGS = {
     'tidy': 'needs nothing: upstream deletes the MNIST it downloaded into --datadir; these '
             'scripts download nothing and never delete your data',
     'train_dataset_len': 'give --fake_data with --num_steps (a cap on the steps of each epoch)',
-    'use_gradient_accumulation_loop': "not here: torch_xla's accumulation loop needs a step that "
-                                      "changes no tensor in place, and BatchNorm's statistics "
-                                      'do; --gradient_accumulation_steps compiles three graphs '
-                                      'for any count',
+    'use_gradient_accumulation_loop': 'not here: --gradient_accumulation_steps runs each batch as '
+                                      'a graph of its own (at most three for any count); '
+                                      "torch_xla's experimental loop (an XLA While) counted one "
+                                      "batch of two in a BatchNorm's num_batches_tracked here",
     'use_gradient_checkpointing': "train_resnet_spmd.py's (each block of BLOCKS recomputed in "
                                   'the backward, under any --sharding)',
     'use_nested_fsdp': f'{_FSDP}, nested in the outer one',

@@ -277,7 +277,7 @@ def train_one_epoch(run, loader, epoch, first_step):
     loss = 0
     for i, (images, labels) in enumerate(batches, 1):
       # Named steps in a profile; each batch ends in a sync, so that a step of several holds one
-      # batch's activations at a time, and compiles three graphs however many there are.
+      # batch's activations at a time, and compiles at most three graphs however many there are.
       with xp.StepTrace('train_step', step_num=step):
         loss = loss + train_step(run.ddp or run.model, run.optimizer, run.scheduler, images,
                                  labels, cfg, (i, len(batches)))
@@ -454,7 +454,10 @@ def main(argv):
               if name not in given}
     vars(cfg).update(preset)
     print(f'--use_optimized_kwargs {cfg.use_optimized_kwargs} sets ' +
-          ' '.join(f'--{name} {value}' for name, value in preset.items()), flush=True)
+          ' '.join(f'--{name} {value}' for name, value in preset.items()) +
+          (' (copy threads hand batches over in the order they finish: no exact resume; '
+           '--host_to_device_transfer_threads 1 keeps it)'
+           if preset.get('host_to_device_transfer_threads', 1) > 1 else ''), flush=True)
   utils.set_precision(cfg.amp, cfg.bf16)  # Before the runtime starts.
   if supervisor:  # Bad input is one line here, before any replica, not one per replica.
     try:

@@ -380,7 +380,7 @@ def train_one_epoch(run, loader, epoch, first_step):
     loss = 0
     for i, batch in enumerate(batches, 1):
       # Named steps in a profile; each batch ends in a sync, so that a step of several holds one
-      # batch's activations at a time, and compiles three graphs however many there are.
+      # batch's activations at a time, and compiles at most three graphs however many there are.
       with xp.StepTrace('train_step', step_num=step):
         loss = loss + train_step(run.model, run.optimizer, run.scheduler, batch['images'],
                                  batch['labels'], cfg, (i, len(batches)))

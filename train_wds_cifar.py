@@ -187,8 +187,8 @@ MODEL_RECIPES = {'resnet50': dict(lr=0.5, lr_scheduler_type='WarmupAndExponentia
 NO_TEST_SAMPLE = 'no test sample was read (see the warnings above): no accuracy'
 # Flags that decide an epoch's stream of batches: a resume with another value warns. (The
 # loader workers deal the shards among them.)
-BATCH_FLAGS = ('wds_traindir', 'trainsize', 'batch_size', 'seed', 'num_steps', 'img_dim',
-               'shuffle_buffer', 'num_workers')
+BATCH_FLAGS = ('wds_traindir', 'trainsize', 'batch_size', 'gradient_accumulation_steps', 'seed',
+               'num_steps', 'img_dim', 'shuffle_buffer', 'num_workers')
 # Flags of the image-folder scripts that a user may bring here.
 ELSEWHERE = {'datadir': 'give the shards with --wds_traindir and --wds_testdir (see '
                         'make_cifar_shards.py); --datadir belongs to the image-folder scripts',
@@ -530,9 +530,10 @@ def load_data(cfg, rank, world_size):
   per_step = cfg.gradient_accumulation_steps
   steps = cfg.trainsize // (cfg.batch_size * per_step * world_size)
   if steps == 0:
-    raise utils.UsageError(f'--trainsize {cfg.trainsize} makes no batch of {cfg.batch_size} for '
-                           f'each of {world_size} replicas' + (f' x {per_step} (a step)' if per_step > 1
-                           else '') + ': lower --batch_size' +
+    step = (f'batch of {cfg.batch_size}' if per_step == 1 else
+            f'step of {per_step} batches of {cfg.batch_size}')
+    raise utils.UsageError(f'--trainsize {cfg.trainsize} makes no {step} for each of {world_size} '
+                           'replicas: lower --batch_size' +
                            (' or --gradient_accumulation_steps' if per_step > 1 else ''))
   train_set = TrainShards(train_urls, rank, world_size,
                           min(steps, cfg.num_steps or steps) * per_step, cfg)
@@ -616,7 +617,7 @@ def train_one_epoch(run, loader, epoch, first_step):
     loss = 0
     for i, (images, labels) in enumerate(batches, 1):
       # Named steps in a profile; each batch ends in a sync, so that a step of several holds one
-      # batch's activations at a time, and compiles three graphs however many there are.
+      # batch's activations at a time, and compiles at most three graphs however many there are.
       with xp.StepTrace('train_step', step_num=step):
         loss = loss + train_step(run.model, run.optimizer, run.scheduler, images,
                                  labels, cfg, (i, len(batches)))
@@ -836,7 +837,8 @@ def main(argv):
       given = {name for name in FLAGS if FLAGS[name].present}
       print(supervisor.describe_recipe(cfg, supervisor.recipe_source(given, recipe_name, settings)),
             flush=True)
-      supervisor.check_outputs(cfg.ckpt_dir, cfg.logdir, cfg.results_json, cfg.compile_cache_dir)
+      supervisor.check_outputs(cfg.ckpt_dir, cfg.logdir, cfg.results_json, cfg.compile_cache_dir,
+                               cfg.profile_logdir if cfg.profile_step is not None else None)
   except utils.UsageError as e:
     utils.die(e)
   # Replica processes start here, but with --num_cores 1 or under torchrun (its worker is one).

@@ -403,8 +403,8 @@ class EpochLoader:
     except TypeError:  # An iterable dataset has no length: the cap is the epoch.
       self.steps = steps
     if self.steps == 0 and per_step > 1:
-      raise UsageError(f'an epoch of {len(loader)} batches makes no step of '
-                       f'--gradient_accumulation_steps {per_step}: lower it or --batch_size')
+      raise UsageError(f"an epoch's batches make no step of --gradient_accumulation_steps "
+                       f'{per_step} batches: lower it or --batch_size')
     self.per_step, self.num_batches = per_step, self.steps * per_step
 
   def set_epoch(self, epoch, first_step=0):
@@ -521,11 +521,13 @@ def add_totals(results, global_step, samples_per_step, log):
 def say_finished(results, target_accuracy):
   """Says a finished run's totals; returns its exit code: 0, or 21 below target_accuracy."""
   xm.master_print(f'Total train time: {results["train_seconds"]:.1f} s', flush=True)
-  after = results['compilations_after_epoch']
+  after = results['compilations_after_epoch']  # At the end of each evaluated epoch.
   if after:  # Each graph compiled after epoch 1 would stall a TPU run for its compile time.
     late = max(after[-1] - after[0], 0)  # A resumed run's first epoch compiles again.
-    xm.master_print(f'Graphs compiled: {results["compilations"]}, ' + (f'{late} after epoch 1 (a '
-        'new shape each: see docs/performance.md)' if late else 'none after epoch 1'), flush=True)
+    first = results['eval_epochs'][0]  # 1, unless --eval_interval or --test_only_at_end.
+    xm.master_print(f'Graphs compiled: {results["compilations"]}, ' + (
+        f'{late} after epoch {first} (a new shape each: see docs/performance.md)' if late else
+        f'none after epoch {first}'), flush=True)
   xm.master_print(f'Max Accuracy: {results["max_accuracy"]:.2f}%', flush=True)
   if results['final_accuracy'] < target_accuracy:
     xm.master_print(f'Accuracy {results["final_accuracy"]:.2f} is below target '

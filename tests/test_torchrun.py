@@ -20,9 +20,10 @@ TORCHRUN_ARGS = ['--fake_data', '--model', 'resnet18', '--img_dim', 16, '--batch
 
 
 # With supervisor.py, the Ctrl-C: its watch must not take the second delivery for a second
-# Ctrl-C (SIGTERM takes the same path in it, once).
+# Ctrl-C (SIGTERM takes the same path in it, once). That run trains with --ddp (torch's
+# DistributedDataParallel under torchrun, as upstream's DDP page runs it): the stop the same.
 @pytest.mark.parametrize('kit,sig', [('kit alone', 'SIGTERM to torchrun'), ('kit alone', 'Ctrl-C'),
-                                     ('with supervisor.py', 'Ctrl-C')])
+                                     ('with supervisor.py, --ddp', 'Ctrl-C')])
 def test_under_torchrun_a_signal_stops_the_worker_with_a_checkpoint(tmp_path, kit, sig):
   project = tmp_path / 'project'
   copy_kit('train_resnet_mp.py', project)
@@ -32,7 +33,8 @@ def test_under_torchrun_a_signal_stops_the_worker_with_a_checkpoint(tmp_path, ki
   # in a terminal reaches the worker twice, from the terminal and from torchrun.
   process = start_in(project, '-m', 'torch.distributed.run', '--nproc_per_node', 1,
                      'train_resnet_mp.py', *TORCHRUN_ARGS, '--ckpt_dir', tmp_path / 'ckpt',
-                     '--results_json', tmp_path / 'r.json')
+                     '--results_json', tmp_path / 'r.json',
+                     *(['--ddp'] if '--ddp' in kit else []))
   sigterm = sig.startswith('SIGTERM')
   code, out = signal_after_training_lines(process, 2, signal.SIGTERM if sigterm else signal.SIGINT,
                                           to_group=not sigterm)

@@ -29,7 +29,8 @@ def small_cnn_project(project):
   subprocess.run(['bash', '-euc', shell], cwd=REPO, check=True)
   script = project / 'train_resnet_mp.py'
   source = script.read_text()
-  start, end = source.index('def build_model('), source.index('\n# ---', source.index('def build_model('))
+  start = source.index('def build_model(')
+  end = source.index('\n# ---', start)
   script.write_text(source[:start] + functions.rstrip() + '\n\n' + source[end:])
 
 
