@@ -539,7 +539,7 @@ UPSTREAM_FLAGS = {
     'compute_dtype': 'give --amp (the forward in bfloat16, weights in float32) or --bf16 '
                      '(every float tensor bfloat16)',
     'ddp': "train_resnet_mp.py's (torch's DistributedDataParallel, for torch.distributed code): "
-           "this script's gradients are reduced without it",
+           'this script needs no wrapper to reduce its gradients',
     'debug': 'needs nothing: upstream parses it and never reads it; train_resnet_mp.py '
              '--num_cores 1 runs one process, to debug',
     'drop_last': 'needs nothing: a shard stream always drops its last partial batch '
@@ -571,11 +571,11 @@ UPSTREAM_FLAGS = {
     'profile_epoch': "give --profile_step alone: it counts the run's steps from its start (epoch "
                      "E's step S is (E - 1) x an epoch's steps + S)",
     'shard_param_on_dim_0': f'{_FSDP}',
-    'sharding': "train_resnet_spmd.py's (batch, fsdp, hybrid): this script is data-parallel, "
-                'every replica holding the whole model',
+    'sharding': "train_resnet_spmd.py's (batch, fsdp, hybrid): this script holds the whole model "
+                'on each device',
     'tidy': 'needs nothing: upstream deletes the MNIST it downloaded into --datadir; these '
             'scripts download nothing and never delete your data',
-    'train_dataset_len': 'give --fake_data with --num_steps (a cap on the steps of each epoch)',
+    'train_dataset_len': 'give --num_steps (a cap on the steps of each epoch)',
     'use_gradient_accumulation_loop': 'not here: --gradient_accumulation_steps runs each batch as '
                                       'a graph of its own (at most three for any count); '
                                       "torch_xla's experimental loop (an XLA While) counted one "
@@ -583,12 +583,13 @@ UPSTREAM_FLAGS = {
     'use_gradient_checkpointing': "train_resnet_spmd.py's (each block of BLOCKS recomputed in "
                                   'the backward, under any --sharding)',
     'use_nested_fsdp': f'{_FSDP}, nested in the outer one',
-    'use_optimized_kwargs': "train_resnet_mp.py's (upstream's input pipeline for a TPU v4): "
-                            'here give --batch_size 128 --test_set_batch_size 128 --num_workers '
-                            '16 --persistent_workers --prefetch_factor 32 --loader_prefetch_size '
-                            '128 --device_prefetch_size 1 --host_to_device_transfer_threads 4',
-    'use_small_fake_sample': 'give --num_steps N with --fake_data: a cap on the steps of each '
-                             'epoch (upstream makes the fake epoch 50,000 samples)',
+    'use_optimized_kwargs': "train_resnet_mp.py's (upstream's input pipeline for a TPU v4, with "
+                            'persistent workers, the default): here give --batch_size 128 '
+                            '--test_set_batch_size 128 --num_workers 16 --prefetch_factor 32 '
+                            '--loader_prefetch_size 128 --device_prefetch_size 1 '
+                            '--host_to_device_transfer_threads 4 (1 keeps the exact resume)',
+    'use_small_fake_sample': 'give --num_steps N: a cap on the steps of each epoch (upstream '
+                             'makes its fake epoch 50,000 samples)',
     'use_syncfree_optim': "needs nothing: torch_xla's syncfree optimizers serve float16's "
                           'gradient scaler; --amp here is bfloat16, which needs none (docs/tpu.md)',
     'use_zero_grad': 'needs nothing: upstream parses it and never reads it; every step here '

@@ -68,9 +68,9 @@ flags.DEFINE_string('logdir', None, 'TensorBoard folder for loss, rate, lr and a
 flags.DEFINE_bool('metrics_debug', False, "Print torch_xla's metrics report after each epoch.")
 flags.DEFINE_bool('profile', False, 'Start the profiler server so TensorBoard can capture a trace.')
 flags.DEFINE_integer('profiler_port', 9012, 'Profiler port of local replica 0 (replica i: + i).')
-flags.DEFINE_integer('profile_step', None, 'Capture a trace of the master replica from this step on '
-                     '(counted from the run\'s start, as checkpoints count), into --profile_logdir.',
-                     lower_bound=0)
+flags.DEFINE_integer('profile_step', None, 'Capture a trace of each host\'s first replica from this '
+                     'step on (counted from the run\'s start, as checkpoints count), into '
+                     '--profile_logdir.', lower_bound=0)
 flags.DEFINE_integer('profile_duration_ms', 5000, 'How long --profile_step traces.', lower_bound=1)
 flags.DEFINE_string('profile_logdir', None, "Folder (or gs://) for --profile_step's trace "
                     '(default: --logdir), which TensorBoard\'s profile tab reads.')
@@ -365,8 +365,8 @@ def end_epoch(run, epoch, accuracy, counts):
     results['eval_epochs'].append(epoch)
     results.update(final_accuracy=accuracy, eval_correct=counts[0], eval_samples=counts[1],
                    max_accuracy=max(results['max_accuracy'], accuracy))
-    results['compilations_after_epoch'].append(utils.compile_count())
     test_utils.write_to_summary(run.log.writer, epoch, {'Accuracy/test': accuracy})
+  results['compilations_after_epoch'].append(utils.compile_count())
   utils.check_learning(run.log, epoch, run.num_classes, run.cfg.lr,
                        recipe(run.cfg)[1]['lr'])
   if run.cfg.metrics_debug:

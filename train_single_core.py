@@ -336,8 +336,8 @@ def end_epoch(run, epoch, accuracy, counts):
     results['eval_epochs'].append(epoch)
     results.update(final_accuracy=accuracy, eval_correct=counts[0], eval_samples=counts[1],
                    max_accuracy=max(results['max_accuracy'], accuracy))
-    results['compilations_after_epoch'].append(utils.compile_count())
     test_utils.write_to_summary(run.log.writer, epoch, {'Accuracy/test': accuracy})
+  results['compilations_after_epoch'].append(utils.compile_count())
   utils.check_learning(run.log, epoch, run.num_classes, run.cfg.lr,
                        FLAGS['lr'].default)
   if run.cfg.metrics_debug:

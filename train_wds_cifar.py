@@ -119,9 +119,9 @@ flags.DEFINE_string('logdir', None, 'TensorBoard folder for loss, rate, lr and a
 flags.DEFINE_bool('metrics_debug', False, "Print torch_xla's metrics report after each epoch.")
 flags.DEFINE_bool('profile', False, 'Start the profiler server so TensorBoard can capture a trace.')
 flags.DEFINE_integer('profiler_port', 9012, 'Profiler port of local replica 0 (replica i: + i).')
-flags.DEFINE_integer('profile_step', None, 'Capture a trace of the master replica from this step on '
-                     '(counted from the run\'s start, as checkpoints count), into --profile_logdir.',
-                     lower_bound=0)
+flags.DEFINE_integer('profile_step', None, 'Capture a trace of each host\'s first replica from this '
+                     'step on (counted from the run\'s start, as checkpoints count), into '
+                     '--profile_logdir.', lower_bound=0)
 flags.DEFINE_integer('profile_duration_ms', 5000, 'How long --profile_step traces.', lower_bound=1)
 flags.DEFINE_string('profile_logdir', None, "Folder (or gs://) for --profile_step's trace "
                     '(default: --logdir), which TensorBoard\'s profile tab reads.')
@@ -705,8 +705,8 @@ def end_epoch(run, epoch, accuracy, counts):
     results['eval_epochs'].append(epoch)
     results.update(final_accuracy=accuracy, eval_correct=counts[0], eval_samples=counts[1],
                    max_accuracy=max(results['max_accuracy'], accuracy))
-    results['compilations_after_epoch'].append(utils.compile_count())
     test_utils.write_to_summary(run.log.writer, epoch, {'Accuracy/test': accuracy})
+  results['compilations_after_epoch'].append(utils.compile_count())
   utils.check_learning(run.log, epoch, run.num_classes, run.cfg.lr,
                        recipe(run.cfg)[1]['lr'])
   if run.cfg.metrics_debug:
@@ -791,7 +791,9 @@ def count_test_data(cfg, bad, total, epoch, rank):
   if bad:  # Not in the results: they count training data.
     print(f'Epoch {epoch} Replica {rank}: skipped {bad} bad shards or samples of the test shards',
           flush=True)
-  if cfg.testsize and total != cfg.testsize and not cfg.num_steps and epoch == 1:
+  first = not any(utils.evaluates(before, cfg.num_epochs, cfg.eval_interval, cfg.test_only_at_end)
+                  for before in range(1, epoch))  # This run's first evaluation, unless resumed.
+  if cfg.testsize and total != cfg.testsize and not cfg.num_steps and first:
     xm.master_print(f'warning: the test shards hold {total} readable samples, --testsize is '
                     f'{cfg.testsize}', fd=sys.stderr)
 

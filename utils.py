@@ -521,13 +521,15 @@ def add_totals(results, global_step, samples_per_step, log):
 def say_finished(results, target_accuracy):
   """Says a finished run's totals; returns its exit code: 0, or 21 below target_accuracy."""
   xm.master_print(f'Total train time: {results["train_seconds"]:.1f} s', flush=True)
-  after = results['compilations_after_epoch']  # At the end of each evaluated epoch.
+  after = results['compilations_after_epoch']  # At each epoch's end, its evaluation's in.
   if after:  # Each graph compiled after epoch 1 would stall a TPU run for its compile time.
-    late = max(after[-1] - after[0], 0)  # A resumed run's first epoch compiles again.
-    first = results['eval_epochs'][0]  # 1, unless --eval_interval or --test_only_at_end.
-    xm.master_print(f'Graphs compiled: {results["compilations"]}, ' + (
-        f'{late} after epoch {first} (a new shape each: see docs/performance.md)' if late else
-        f'none after epoch {first}'), flush=True)
+    late = after[-1] - after[0]
+    first = results['eval_epochs'][0] - 1  # The first evaluation's graphs are not late ones.
+    if 0 < first < len(after):  # (--eval_interval, --test_only_at_end)
+      late -= after[first] - after[first - 1]
+    late = max(late, 0)  # A resumed run's first epoch compiles again.
+    xm.master_print(f'Graphs compiled: {results["compilations"]}, ' + (f'{late} after epoch 1 (a '
+        'new shape each: see docs/performance.md)' if late else 'none after epoch 1'), flush=True)
   xm.master_print(f'Max Accuracy: {results["max_accuracy"]:.2f}%', flush=True)
   if results['final_accuracy'] < target_accuracy:
     xm.master_print(f'Accuracy {results["final_accuracy"]:.2f} is below target '
