@@ -16,9 +16,12 @@ markdown tables:
      takes to its first new step against a fresh run;
   6. train_resnet_spmd.py's checkpoints on 4 devices: one file (as before it sharded) against
      its shards under --sharding batch and fsdp (the training table has fsdp's step rate);
-  7. the input pipeline table of benchmarks/input_pipeline.py.
+  7. --gradient_accumulation_steps: a step of 64 images at 224 px as one batch, as 4
+     accumulated batches of 16, and a batch of 16 alone (samples/s, the process's peak
+     memory, graphs compiled); the training table has --ddp's row;
+  8. the input pipeline table of benchmarks/input_pipeline.py.
 
-  python benchmarks/training.py            # about 16 minutes on 2 cores
+  python benchmarks/training.py            # about 21 minutes on 2 cores
   python benchmarks/training.py --quick    # a smoke test: tiny runs, same tables
 """
 
@@ -67,7 +70,8 @@ def run(script, *args, devices=None):
   """(results dict, seconds from start to the first training line) of one run of a training
   script on XLA:CPU, as a user runs it. results['epoch_device_busy']: for each epoch after
   the first, the share of its wall time (training, evaluation and saving) in which graphs
-  executed, from the metrics report --metrics_debug prints as each epoch ends."""
+  executed, from the metrics report --metrics_debug prints as each epoch ends;
+  results['peak_mb']: the largest memory the run's processes held (their peak RSS)."""
   with tempfile.TemporaryDirectory() as tmp:
     out = pathlib.Path(tmp, 'results.json')
     began, first, reports, metric = time.time(), None, [], None
@@ -83,9 +87,13 @@ def run(script, *args, devices=None):
         metric = None
       elif metric in ('ExecuteTime', 'ExecuteReplicatedTime') and 'Accumulator:' in line:
         reports[-1][1] += seconds(line.split()[1])
-    if proc.wait() != 0:
-      sys.exit(f'{script} {" ".join(map(str, args))} failed with exit code {proc.returncode}')
+    _, status, usage = os.wait4(proc.pid, 0)  # Its rusage: its replicas' peak too.
+    if os.waitstatus_to_exitcode(status) != 0:
+      sys.exit(f'{script} {" ".join(map(str, args))} failed with exit code '
+               f'{os.waitstatus_to_exitcode(status)}')
+    proc.returncode = os.waitstatus_to_exitcode(status)
     results = json.loads(out.read_text())
+    results['peak_mb'] = usage.ru_maxrss / 1024  # KiB on Linux
   results['epoch_device_busy'] = [None] + [(executed - executed_before) / (when - before)
       for (before, executed_before), (when, executed) in zip(reports, reports[1:])]
   return results, first
@@ -254,6 +262,7 @@ def runs_to_measure(tmp, quick):
   runs = [
       ('train_single_core.py', 'fake', fake),
       ('train_resnet_mp.py', 'fake', fake),
+      ('train_resnet_mp.py', 'fake, --ddp', [*fake, '--ddp']),
       # Batch sizes are per device there: the same global batch on 1 or 4 devices.
       ('train_resnet_spmd.py', 'fake, 1 device', fake),
       ('train_resnet_spmd.py', 'fake, 4 devices', [*fake, '--batch_size', batch // 4,
@@ -268,7 +277,8 @@ def runs_to_measure(tmp, quick):
   ]
   if quick:  # A row of each launch: the folder runs take the same path as the fake ones,
     # and the SPMD script the single core's (one process).
-    runs = [r for r in runs if r[0] != 'train_resnet_spmd.py' and r[1] != 'image folder'][1:]
+    runs = [r for r in runs if r[0] != 'train_resnet_spmd.py' and r[1] != 'image folder'
+            and '--ddp' not in r[1]][1:]
   return runs, wds_args
 
 
@@ -289,6 +299,22 @@ def precision_rows(tmp, quick):
     rate, busy = (np.mean(results[k][1:]) for k in ('epoch_rates', 'epoch_device_busy'))
     size = max(ckpt_dir.glob('ckpt-*.pt')).stat().st_size / 1e6
     yield name, rate, overhead(busy), results['compilations'], size
+
+
+def accumulation_rows(quick):
+  """(how a step is made, samples/s, peak MB, graphs compiled) of train_single_core.py on fake
+  data: a step of 64 as one batch, as 4 accumulated batches of 16, and 16 alone (--quick: one
+  row, 2 batches of 2 at 16 px)."""
+  img_dim, epochs, steps = (16, 2, 2) if quick else (224, 2, 3)
+  ways = (('a batch of 64', [64, 1]), ('4 accumulated batches of 16', [16, 4]),
+          ('a batch of 16', [16, 1]))
+  for name, (batch, count) in [('2 accumulated batches of 2', [2, 2])] if quick else ways:
+    say(f'running train_single_core.py with {name}')
+    results, _ = run('train_single_core.py', '--fake_data', '--model', FLAGS.bench_model,
+                     '--img_dim', img_dim, '--batch_size', batch, '--gradient_accumulation_steps',
+                     count, '--test_set_batch_size', 8, '--num_epochs', epochs, '--num_steps',
+                     steps, '--log_steps', 10, '--num_workers', 0)
+    yield name, np.mean(results['epoch_rates'][1:]), results['peak_mb'], results['compilations']
 
 
 def overhead(busy):
@@ -391,6 +417,12 @@ def main(argv):
     for kind, size, save, load in sharded_costs(tmp, checkpointed):
       print(f'| {kind if kind == "one file" else "shards, --sharding " + kind} | {size:,.0f} MB | '
             f'{save:.2f} s | {load:.2f} s |', flush=True)
+    print()
+    print(f'| train_single_core.py, {FLAGS.bench_model}, fake, a step of | samples/s | peak memory '
+          '| graphs compiled |')
+    print('| --- | --- | --- | --- |', flush=True)
+    for row in accumulation_rows(FLAGS.quick):
+      print('| {} | {:,.1f} | {:,.0f} MB | {} |'.format(*row), flush=True)
   print(flush=True)
   say('running benchmarks/input_pipeline.py')
   # The input pipeline has its own script (it imports train_wds_cifar, whose flags would

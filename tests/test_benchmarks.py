@@ -35,6 +35,11 @@ def test_benchmark_prints_its_tables_row_by_row():
   sharded = re.findall(r'^\| (one file|shards, --sharding \w+) \| [\d,]+ MB \| [\d.]+ s \| [\d.]+ s \|$',
                        out, re.M)
   assert sharded == ['one file', 'shards, --sharding batch', 'shards, --sharding fsdp'], out
+  # --gradient_accumulation_steps (--quick: one row): the process's peak memory, its graphs
+  # (here 5 without accumulation: 6 with 2 batches a step, 7 with 3 or more).
+  accumulated = re.findall(r'^\| ([\w ]+) \| [\d,.]+ \| ([\d,]+) MB \| (\d+) \|$', out, re.M)
+  assert [name for name, _, _ in accumulated] == ['2 accumulated batches of 2'], out
+  assert int(accumulated[0][1].replace(',', '')) > 100 and int(accumulated[0][2]) <= 7, out
   decoders = re.findall(r'^\| (\w+) \| [\d.]+ \| [\d,]+ \|$', out, re.M)
   assert decoders == ['rgb', 'ppm', 'png', 'jpg', 'webp', 'npy'], out
   # The photos: upstream's pipeline sends float32 batches, ours uint8 (a quarter).

@@ -12,12 +12,11 @@ import textwrap
 
 import pytest
 
-from conftest import (REPO, assert_one_error, assert_same_training, read_json, run_script,
-                      script_env)
+from conftest import REPO, assert_same_training, read_json, script_env
 from test_copy import readme_adapt_steps
 
 # The steps' losses of a batch of 8 and of two accumulated batches of 4 differ by float rounding
-# alone (a mean of 8 against a mean of two means of 4): measured below 1e-6 of the loss here.
+# alone (a mean of 8 against a mean of two means of 4): measured 1.1e-7 of the loss at most.
 ACCUMULATION_TOLERANCE = 1e-4
 
 
@@ -111,29 +110,42 @@ def upstream_table():
 
 
 # Each flag parsed as app.run parses it (utils.parse_flags, with the script's lines for other
-# scripts' flags), one process per script: a flag the script has is said as "has".
+# scripts' flags), one process per script: a flag the script has is said as "has". Then the
+# script's own command line with one of them (its __main__ block run again, as %run does: its
+# own parser, as app.run calls it), said as "command".
 PARSE_EACH = textwrap.dedent('''
-    import contextlib, importlib, io, os, sys
+    import contextlib, importlib, io, os, runpy, sys
     answers = os.fdopen(os.dup(1), 'w')  # utils.die sends stdout to /dev/null after its line.
-    sys.argv = [sys.argv[1]]
-    script = importlib.import_module(sys.argv[0][:-3])
+    path, command = sys.argv[1], sys.argv[2:]
+    sys.argv = [path]
+    script = importlib.import_module(path[:-3])
     import utils
     from absl import flags
     elsewhere = {**script.supervisor.UPSTREAM_FLAGS, **getattr(script, 'ELSEWHERE', {})}
-    for flag in sys.stdin.read().split():
-      if flag[2:] in flags.FLAGS:
-        print(flag, '=> has', file=answers)
-        continue
+
+    def said(call):
       err = io.StringIO()
       with contextlib.redirect_stderr(err):
         try:
-          utils.parse_flags([sys.argv[0], flag], elsewhere)
-          said = 'parsed'
-        except SystemExit:
-          said = err.getvalue().strip()
-      print(flag, '=>', said.replace(chr(10), ' | '), file=answers)
+          call()
+          return 'parsed'
+        except SystemExit as e:
+          return f'{e.code} ' + err.getvalue().strip().replace(chr(10), ' | ')
+
+    for flag in sys.stdin.read().split():
+      answer = 'has' if flag[2:] in flags.FLAGS else said(
+          lambda: utils.parse_flags([path, flag], elsewhere))
+      print(flag, '=>', answer, file=answers)
+    sys.argv = [path, *command]
+    print('command =>', said(lambda: runpy.run_path(path, run_name='__main__')), file=answers)
     answers.flush()
 ''')
+# The flags that found absl's guess pointing at an unrelated flag, and others, each through a
+# script's own command line.
+COMMANDS = {'train_resnet_mp.py': ('--compute_dtype', 'give --amp'),
+            'train_resnet_spmd.py': ('--num_cores', "train_resnet_mp.py's and train_wds_cifar.py's"),
+            'train_single_core.py': ('--profile_epoch', 'give --profile_step alone'),
+            'train_wds_cifar.py': ('--datadir', 'give the shards with --wds_traindir')}
 
 
 def test_every_upstream_flag_of_the_table_is_this_scripts_or_one_line_naming_what_does_its_job():
@@ -142,10 +154,15 @@ def test_every_upstream_flag_of_the_table_is_this_scripts_or_one_line_naming_wha
   given = ' '.join(f'--{flag}' for flag, _, _ in table)
   wrong = []
   for script in SCRIPTS:
-    done = subprocess.run([sys.executable, '-c', PARSE_EACH, script], input=given, cwd=REPO,
-                          env=script_env(), capture_output=True, text=True, timeout=300)
+    flag, line = COMMANDS[script]
+    done = subprocess.run([sys.executable, '-c', PARSE_EACH, script, flag, '2', '--fake_data'],
+                          input=given, cwd=REPO, env=script_env(), capture_output=True, text=True,
+                          timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     said = dict(line.split(' => ', 1) for line in done.stdout.splitlines() if ' => ' in line)
+    command = said.pop('command')
+    if not command.startswith(f'2 error: {flag}: {line}') or ' | ' in command:
+      wrong.append(f'{script} {flag} 2 --fake_data: {command}')
     for flag, having, what in table:
       answer = said[f'--{flag}']
       if script in having:
@@ -154,16 +171,7 @@ def test_every_upstream_flag_of_the_table_is_this_scripts_or_one_line_naming_wha
         continue
       # One line that names the flag and every other flag the table names, never absl's guess.
       named = set(re.findall(r'--[\w-]+', what)) - {f'--{flag}'}
-      if (not answer.startswith(f'error: --{flag}: ') or 'Did you mean' in answer
+      if (not answer.startswith(f'2 error: --{flag}: ') or 'Did you mean' in answer
           or ' | ' in answer or not all(name in answer for name in named)):
         wrong.append(f'{script} --{flag}: {answer}\n  (the table: {what})')
   assert not wrong, '\n'.join(wrong)
-  # And as each script's command says them (its own parser, as app.run calls it): the flags of
-  # the issue that found absl's guess pointing at an unrelated flag.
-  for script, flag, line in [
-      ('train_resnet_mp.py', '--compute_dtype', 'give --amp'),
-      ('train_resnet_spmd.py', '--num_cores', "train_resnet_mp.py's and train_wds_cifar.py's"),
-      ('train_single_core.py', '--profile_epoch', 'give --profile_step alone'),
-      ('train_wds_cifar.py', '--datadir', 'give the shards with --wds_traindir')]:
-    done = run_script(script, flag, '2', '--fake_data')
-    assert_one_error(done, 2, f'^error: {flag}: {re.escape(line)}')
