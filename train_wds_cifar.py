@@ -366,7 +366,10 @@ class BadData:
     shown = int(self.counts.sum())
     if shown <= self.SHOWN:
       more = ' (more are counted, not shown: see the count at the end)' if shown == self.SHOWN else ''
-      print(f'warning: {message}; skipped{more}', file=sys.stderr, flush=True)
+      # One write: the loader workers share stderr, and print's two (text, newline) could
+      # interleave with another worker's into one line.
+      sys.stderr.write(f'warning: {message}; skipped{more}\n')
+      sys.stderr.flush()
 
 
 def worker_share():
