@@ -392,13 +392,13 @@ def check_format(flag, url, read_samples, count=16):
   read_samples(urls, on_bad) is the script's reader, as training reads shards, which hands each
   failure to on_bad; one that is `foreign` (shards of another format, labels past the classes)
   is one line at start, not a warning for every sample. Any other is left to training (a
-  sample or shard skipped with a warning, or fatal with --fail_on_bad_data)."""
+  sample or shard skipped with a warning, or fatal with --fail_on_bad_data). Returns the labels
+  of the samples read (the last of what read_samples gives for each)."""
   def on_bad(error):
     if getattr(error, 'foreign', False):
       raise utils.UsageError(f'--{flag}: {error}')
 
-  for _ in itertools.islice(read_samples([url], on_bad), count):
-    pass
+  return [sample[-1] for sample in itertools.islice(read_samples([url], on_bad), count)]
 
 
 # ------------------------------------------------------------------ the watch over the run

@@ -197,9 +197,11 @@ def load_image(path):
 
 def decode_image(data):
   """The image file's bytes as a uint8 RGB tensor (3 x H x W): a JPEG by torchvision's decoder
-  (libjpeg-turbo, no PIL image on the way), any other by PIL, 16-bit grey scaled to 8 bits; a
-  ValueError says why it cannot (a truncated or unknown file, pixels of no known range, more
-  pixels than check_pixels takes: said from the header, before any decoding)."""
+  (libjpeg-turbo, no PIL image on the way); PNG, WebP, GIF (its first frame), BMP, TIFF, PPM
+  and any other format the installed PIL opens (sorted(PIL.Image.OPEN) after Image.init()) by
+  PIL, grey, palette and RGBA made RGB (alpha dropped), 16-bit grey scaled to 8 bits. A
+  ValueError says why it cannot (a truncated or unknown file, 32-bit pixels of no known range,
+  more pixels than check_pixels takes: said from the header, before any decoding)."""
   if data[:3] == b'\xff\xd8\xff' and (size := jpeg_size(data)):  # Else PIL's header check.
     check_pixels(*size)
     try:
@@ -320,6 +322,11 @@ def normalize(images, mean=IMAGENET_MEAN, std=IMAGENET_STD):
   channels = images.shape[-3]
   if channels == 1 and len(mean) > 1:
     mean, std = (sum(mean) / len(mean),), (sum(std) / len(std),)
+  elif channels != len(mean) and images.shape[-1] in (1, len(mean)):  # A numpy or PIL layout.
+    raise UsageError(f"uint8 images of {'x'.join(map(str, images.shape[-3:]))} are height x width "
+                     'x channels: the step takes channels x height x width; give each image as '
+                     "image.permute(2, 0, 1) in build_datasets (v2.ToImage() turns a PIL image or "
+                     'numpy array so)')
   elif channels != len(mean):
     raise UsageError(f'{channels}-channel uint8 images: utils.normalize takes {len(mean)} channels '
                      "or 1: make them RGB (v2.RGB() in build_datasets' transform), or float "

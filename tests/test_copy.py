@@ -4,7 +4,6 @@ docs/scripts.md's copy line copies it, alone, as the plain command and under tor
 docs/adapt.md's worked example with the optional modules."""
 
 import ast
-import io
 import os
 import re
 import shlex
@@ -12,24 +11,25 @@ import shutil
 import signal
 import subprocess
 import sys
-import tarfile
 import textwrap
 
 import numpy as np
 import pytest
+import torch
 
-from conftest import (REPO, assert_nothing_left, assert_one_error,
+from conftest import (REPO, assert_nothing_left, assert_one_error, make_cifar_python,
                       read_json, script_env, training_losses, wait_for)
 from test_faults import REPLICA_ENDS, run_replica_pool
 
 KITS = ['train_resnet_mp.py', 'train_resnet_spmd.py', 'train_single_core.py', 'train_wds_cifar.py']
 OPTIONAL = {'supervisor', 'command'}
+WRITER = 'make_cifar_shards.py'  # The shard writer: its own copy line, supervisor.py in it.
 
 
 def kit_copy_lines():
-  """{script: the copy line} of the kits docs/scripts.md gives."""
+  """{script: the copy line} of the kits (and the shard writer) docs/scripts.md gives."""
   page = (REPO / 'docs' / 'scripts.md').read_text()
-  return {m.group(1): m.group(0) for m in re.finditer(r'^cp (train_\w+\.py) .*$', page, re.M)}
+  return {m.group(1): m.group(0) for m in re.finditer(r'^cp (\w+\.py) .*$', page, re.M)}
 
 
 def copy_kit(script, project):
@@ -41,11 +41,14 @@ def copy_kit(script, project):
 
 def test_every_kit_is_its_script_utils_and_licence_and_imports_nothing_else():
   lines = kit_copy_lines()
-  assert sorted(lines) == sorted(KITS), lines
+  assert sorted(lines) == sorted(KITS + [WRITER]), lines
   ours = {path.stem for path in REPO.glob('*.py')}
-  for script in KITS:
-    assert lines[script] == f'cp {script} utils.py LICENSE "$PROJECT"/'
-    for name in (script, 'utils.py'):
+  # The writer's line holds what it imports: supervisor.py is not optional there.
+  assert lines[WRITER] == f'cp {WRITER} supervisor.py utils.py LICENSE "$PROJECT"/'
+  for script in KITS + [WRITER]:
+    if script != WRITER:
+      assert lines[script] == f'cp {script} utils.py LICENSE "$PROJECT"/'
+    for name in (script, 'utils.py') + (('supervisor.py',) if script == WRITER else ()):
       imported = set()
       for node in ast.walk(ast.parse((REPO / name).read_text())):
         if isinstance(node, ast.Import):
@@ -54,7 +57,8 @@ def test_every_kit_is_its_script_utils_and_licence_and_imports_nothing_else():
           imported.add(node.module.split('.')[0])
       # The optional modules only where the script guards their import (or in run()).
       assert imported & ours <= {'utils'} | OPTIONAL, (name, imported & ours)
-      assert 'supervisor' not in imported or 'supervisor = None' in (REPO / name).read_text()
+      assert ('supervisor' not in imported or 'supervisor = None' in (REPO / name).read_text()
+              or script == WRITER)
 
 
 def start_in(project, *argv):
@@ -119,6 +123,79 @@ def readme_adapt_steps():
             re.findall(r'^( *)```\w*\n(.*?)^\1```', section, re.M | re.S) for block in [block[1]]]
   copy, functions, command = blocks[:3]
   return copy, functions, command
+
+
+def small_cnn_project(project):
+  """docs/adapt.md's worked example (its copy commands and its two functions) in project."""
+  copy, functions, _ = readme_adapt_steps()
+  project.mkdir()
+  shell = re.sub(r'^PROJECT=\S+', f'PROJECT={shlex.quote(str(project))}', copy, flags=re.M)
+  subprocess.run(['bash', '-euc', shell], cwd=REPO, check=True)
+  script = project / 'train_resnet_mp.py'
+  source = script.read_text()
+  start = source.index('def build_model(')
+  end = source.index('\n# ---', start)
+  script.write_text(source[:start] + functions.rstrip() + '\n\n' + source[end:])
+
+
+# docs/adapt.md's training set with batch 8 of 8 samples held back (from its fifth sample) until
+# the file RELEASE names exists. MpDeviceLoader sends batches to the device in groups of
+# --device_prefetch_size (4): the loop waits at step 8, the first of a group.
+HELD_BACK = """\
+  class HeldBack(torch.utils.data.Dataset):
+    def __init__(self, dataset):
+      self.dataset, self.calls = dataset, 0
+
+    def __len__(self):
+      return len(self.dataset)
+
+    def __getitem__(self, index):
+      self.calls += 1
+      while self.calls == 8 * 8 + 5 and not os.path.exists(os.environ['RELEASE']):
+        time.sleep(0.01)
+      return self.dataset[index]
+
+  return HeldBack(colour_images(512)), colour_images(100), 3
+"""
+
+
+def test_a_stop_trains_the_step_the_signal_lands_in_and_two_more_and_saves_them(tmp_path):
+  # docs/checkpoints.md#stopping. A copier saw 4 to 9 step lines after the stop line: the log,
+  # printed by a thread of its own once the device has computed a step, can trail the training
+  # on a busy host. Here the signal lands in a known step: the training loop waits for batch 8
+  # when it comes, so step 8 is the first to read it, with steps 9 and 10 the vote's lag; the
+  # checkpoint holds steps 0 to 10, whatever the log's pace.
+  project = tmp_path / 'project'
+  small_cnn_project(project)
+  script = project / 'train_resnet_mp.py'
+  source = script.read_text()
+  assert source.count('  return colour_images(512), colour_images(100), 3\n') == 1
+  script.write_text(source.replace(
+      '  return colour_images(512), colour_images(100), 3\n', HELD_BACK))
+  release = tmp_path / 'release'
+  process = subprocess.Popen(
+      [sys.executable, 'train_resnet_mp.py', '--model', 'smallcnn', '--lr', '0.02', '--batch_size',
+       '8', '--num_workers', '0', '--log_steps', '1', '--ckpt_dir', str(tmp_path / 'ckpt')],
+      cwd=project, env=script_env(RELEASE=str(release)), stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT, text=True, bufsize=1, start_new_session=True)
+  out = wait_for(process, r'^\| Training .* Step=7 ')
+  os.killpg(process.pid, signal.SIGINT)  # As Ctrl-C in a terminal: every process of the run.
+  out += wait_for(process, r'^Stopping after this step and saving')
+  release.touch()
+  rest, _ = process.communicate(timeout=300)
+  out += rest
+  assert process.returncode == 130, out
+  assert sorted(os.listdir(tmp_path / 'ckpt')) == ['.lock', 'ckpt-00000011.pt'], out
+  held = torch.load(tmp_path / 'ckpt' / 'ckpt-00000011.pt', weights_only=True)
+  assert (held['epoch'], held['step']) == (1, 11)
+  # Every step line it holds, and no other, before the line that names it.
+  before, after = out.split('Stopping at epoch 1 step 11: saving a checkpoint ...\n')
+  assert [int(step) for step in re.findall(r'^\| Training .* Step=(\d+) ', before, re.M)] == list(
+      range(11)), out
+  assert not re.search(r'Step=', after) and re.match(
+      r'Saved checkpoint \S+ckpt-00000011\.pt\nStopped by Ctrl-C \(SIGINT\) at epoch 1 step 11: saved \S+ckpt-00000011\.pt; run the '
+      r'same command to resume \(exit code 130\)\n', after), out
+  assert_nothing_left(session=process.pid)
 
 
 def test_readme_adapt_it_example_learns_in_a_project_with_its_own_utils(tmp_path):
@@ -212,23 +289,21 @@ def test_a_dataset_loader_workers_cannot_receive_is_one_line(tmp_path, kit):
 
 
 def kit_args(script, tmp_path):
-  """Small flags for a run of the script's kit; the wds kit's shards are written first, in
-  make_cifar_shards.py's format."""
+  """Small flags for a run of the script's kit; the wds kit's shards are written first, by the
+  shard writer as its copy line copies it (into a folder of its own: the kit stays alone)."""
   common = ['--test_set_batch_size', 4, '--num_epochs', 2, '--log_steps', 1, '--lr', 0.02]
   if script != 'train_wds_cifar.py':
     return ['--fake_data', '--model', 'resnet18', '--img_dim', 16, '--batch_size', 4,
             '--num_steps', 6, *common]
-  rng = np.random.default_rng(0)  # Noise: the kit's stop is what is checked here.
-  for split, count in (('train', 80), ('test', 16)):
-    (tmp_path / 'shards').mkdir(exist_ok=True)
-    for shard, start in enumerate(range(0, count, 20)):
-      with tarfile.open(tmp_path / 'shards' / f'c-{split}-{shard:06d}.tar', 'w') as tar:
-        for key in range(start, min(start + 20, count)):
-          for name, data in ((f'{key:08d}.rgb', rng.integers(0, 256, 3072, np.uint8).tobytes()),
-                             (f'{key:08d}.cls', str(key % 10).encode())):
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
+  copy_kit(WRITER, tmp_path / 'writer')
+  make_cifar_python(tmp_path / 'cifar-10-batches-py', per_batch=16, test_count=16)
+  written = subprocess.run(
+      [sys.executable, WRITER, '--cifar_dir', tmp_path / 'cifar-10-batches-py', '--output',
+       tmp_path / 'shards' / 'c', '--samples_per_shard', '20'], cwd=tmp_path / 'writer',
+      env=script_env(), capture_output=True, text=True, timeout=300)
+  assert written.returncode == 0, written.stdout + written.stderr
+  assert sorted(os.listdir(tmp_path / 'shards')) == [
+      'c-classes.txt', 'c-test-000000.tar', *(f'c-train-{i:06d}.tar' for i in range(4))]
   return ['--wds_traindir', tmp_path / 'shards' / 'c-train-{000000..000003}.tar', '--trainsize',
           80, '--wds_testdir', tmp_path / 'shards' / 'c-test-000000.tar', '--testsize', 16,
           '--batch_size', 4, '--num_workers', 1, '--shuffle_buffer', 20, '--num_steps', 6,
@@ -329,6 +404,13 @@ KIT_MISTAKES = {
         r"^error: the labels of a batch of 8 are torch\.int64 of shape \(8, 1\): expected \(8,\), "
         r"an integer class each; fix build_datasets' labels \(an int each, or a tensor of shape "
         r'\(\)\)$'),
+    # Images as numpy and PIL hold them (a copier's own arrays): "16-channel images" was all it
+    # said. The layout, and the way to the one the step takes.
+    'images of height x width x channels': (
+        'images = (images * 255).to(torch.uint8).permute(0, 2, 3, 1)', 'num_classes',
+        r'^error: uint8 images of 16x16x3 are height x width x channels: the step takes channels x '
+        r'height x width; give each image as image\.permute\(2, 0, 1\) in build_datasets '
+        r'\(v2\.ToImage\(\) turns a PIL image or numpy array so\)$'),
     # Scores for 2 classes of 3 trained label 2 silently too; a shape the loss refuses was a
     # traceback. The shape is known as the step is traced: one line before any compile.
     'a model with a score too few': (

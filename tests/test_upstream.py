@@ -5,7 +5,6 @@ CNN, which has no BatchNorm), and every flag of docs/scripts.md's table "From up
 scripts" on the script it names."""
 
 import re
-import shlex
 import subprocess
 import sys
 import textwrap
@@ -13,24 +12,11 @@ import textwrap
 import pytest
 
 from conftest import REPO, assert_same_training, read_json, script_env
-from test_copy import readme_adapt_steps
+from test_copy import small_cnn_project
 
 # The steps' losses of a batch of 8 and of two accumulated batches of 4 differ by float rounding
 # alone (a mean of 8 against a mean of two means of 4): measured 1.1e-7 of the loss at most.
 ACCUMULATION_TOLERANCE = 1e-4
-
-
-def small_cnn_project(project):
-  """docs/adapt.md's worked example (its copy commands and its two functions) in project."""
-  copy, functions, _ = readme_adapt_steps()
-  project.mkdir()
-  shell = re.sub(r'^PROJECT=\S+', f'PROJECT={shlex.quote(str(project))}', copy, flags=re.M)
-  subprocess.run(['bash', '-euc', shell], cwd=REPO, check=True)
-  script = project / 'train_resnet_mp.py'
-  source = script.read_text()
-  start = source.index('def build_model(')
-  end = source.index('\n# ---', start)
-  script.write_text(source[:start] + functions.rstrip() + '\n\n' + source[end:])
 
 
 def train(project, tmp_path, name, *flags):

@@ -1004,10 +1004,12 @@ def test_trains_on_the_tutorials_shards_over_http_to_high_accuracy(http_shards, 
       '--lr', 0.01, '--num_workers', 2, '--shuffle_buffer', 100, '--log_steps', 10,
       '--ckpt_dir', tmp_path / 'ckpt', '--results_json', tmp_path / 'r.json')
   assert result.returncode == 0, result.stderr[-3000:]
-  # What it trains on, said first, as the image-folder scripts say it.
+  # What it trains on, said first, as the image-folder scripts say it: 10 classes by default,
+  # where the colours are 4.
   assert re.search(r'^Data: 480 training samples in 10 shards and 200 evaluation samples in 4, '
                    r"at 3x32x32 uint8, 10 classes \(CIFAR-10's; give --num_classes for other "
-                   r'shards\)\nModel: resnet18 ', result.stdout, re.M), \
+                   r'shards: the labels seen are 0 to 3 \(of the first 32 samples\)\)\n'
+                   r'Model: resnet18 ', result.stdout, re.M), \
       result.stdout[:1000]
   results = read_json(tmp_path / 'r.json')
   assert results['max_accuracy'] >= 90, result.stdout
@@ -1140,7 +1142,9 @@ BAD_INPUTS = {
     'shards of unknown keys': (
         lambda s: ['--wds_traindir', s / 'foreign' / 'keys.tar'],
         r'--wds_traindir: sample 000000 of \S+keys\.tar holds image\.jpg, label, where an image '
-        r'\(rgb, ppm, png, jpg, jpeg, webp, npy\) and a label \(cls\) are expected'),
+        r'\(rgb, ppm, png, jpg, jpeg, webp, npy\) and a label \(cls\) are expected: write the '
+        r"shards with such keys .*, or teach this script theirs: IMAGE_KEYS \(the image file's "
+        r'extension\), parse \(where the label is\) and decode \(how the image reads\)$'),
     'labels past the classes': (  # Of the training shards' classes file: 4 colours.
         lambda s: ['--wds_testdir', s / 'foreign' / 'labels.tar'],
         r"^error: --wds_testdir: sample 000001 of \S+labels\.tar has label 7, past 4 classes "
@@ -1178,6 +1182,40 @@ def test_bucket_that_does_not_answer_is_one_line_within_seconds(tmp_path):
   assert result.stdout.splitlines()[-1] == 'Reaching gs://bucket (up to 20 s) ...', result.stdout
   assert len(result.stderr.splitlines()) == 1, result.stderr
   silent.close()
+
+
+def test_shards_of_fewer_classes_and_no_classes_file_say_the_labels_seen(tmp_path):
+  # A copier's own shards of 3 classes (no classes file beside them): a 10-class model, as
+  # the Data line says, and its labels say why that is not what they want, before any training.
+  for split, count in (('train', 24), ('test', 6)):
+    with wds.TarWriter(str(tmp_path / f'three-{split}-000000.tar')) as sink:
+      for i in range(count):
+        sink.write({'__key__': f'{i:06d}', 'jpg': np.full((8, 8, 3), 80 * (i % 3), np.uint8),
+                    'cls': i % 3})
+  result = run_script('train_wds_cifar.py', '--wds_traindir', tmp_path / 'three-train-000000.tar',
+                      '--trainsize', 24, '--wds_testdir', tmp_path / 'three-test-000000.tar',
+                      '--num_workers', 1, '--results_json', tmp_path, timeout=300)
+  assert_one_error(result, 2, r'^error: --results_json \S+ is a folder')  # To end it here.
+  assert re.search(r'^Data: 24 training samples in 1 shard and the evaluation samples in 1, at '
+                   r"3x32x32 uint8, 10 classes \(CIFAR-10's; give --num_classes for other shards: "
+                   r'the labels seen are 0 to 2 \(of the first 22 samples\)\)$', result.stdout,
+                   re.M), result.stdout
+
+
+def test_a_shard_pattern_left_unquoted_is_one_line_that_quotes_it(shards):
+  # Typed into bash as a user types it: the shell expands {...} into a name per shard, and absl
+  # said `unexpected arguments [...]`, or kept the last of ten --wds_traindir=... without a word.
+  pattern = str(shards / 'shards' / 'cifar-train-{000000..000009}.tar')
+  test = shlex.quote(str(shards / 'shards' / 'cifar-test-{000000..000003}.tar'))
+  for given in (f'--wds_traindir {pattern}', f'--wds_traindir={pattern}'):
+    command = (f'{shlex.quote(sys.executable)} train_wds_cifar.py {given} --trainsize 480 '
+               f'--wds_testdir {test} --testsize 200')
+    result = subprocess.run(['bash', '-c', command], cwd=REPO, env=script_env(),
+                            capture_output=True, text=True, timeout=300)
+    assert_one_error(result, 2, r'^error: --wds_traindir: the shell expanded its shard pattern '
+                     r'into 10 names \(\S+/cifar-train-000000\.tar \.\.\. \S+/cifar-train-000009'
+                     rf"\.tar\): quote it, as in --wds_traindir '{re.escape(pattern)}'$")
+    assert not result.stdout, result.stdout  # Before any check or line of the run.
 
 
 @pytest.mark.parametrize('case', BAD_INPUTS)
