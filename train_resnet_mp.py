@@ -344,7 +344,6 @@ def restore_checkpoint(run, state):
 def stop_run(run, epoch, step, saved=None):
   """The end of a run stopped at a step boundary: saves (unless `saved` holds this very state),
   says so; returns the exit code (75 for SIGTERM or SIGHUP, 130 for Ctrl-C)."""
-  run.log.flush()  # The lines of the steps it holds, which the log's thread may still print.
   if saved is None and run.cfg.ckpt_dir:
     xm.master_print(f'Stopping at epoch {epoch} step {step}: saving a checkpoint ...', flush=True)
     saved = save_checkpoint(run, epoch, step)

@@ -40,6 +40,7 @@ import math
 import os
 import random
 import re
+import shlex
 import socket
 import sys
 import tarfile
@@ -254,7 +255,7 @@ def parse(sample, num_classes):
 
 def decode(image_key, data):
   """The image of an image file of a sample as a uint8 tensor (3 x H x W): rgb (raw 32x32x3
-  bytes) and npy (uint8 H x W x 3) by numpy, a plain ppm without PIL, any other as the
+  bytes) and npy (uint8 H x W x 3) by numpy, a binary ppm (P6, 8-bit) without PIL, any other as the
   image-folder scripts read files (utils.decode_image: JPEG by libjpeg-turbo; PNG, WebP, GIF,
   BMP, TIFF and the other formats PIL opens): for shards of .bmp or .tiff files, adding the
   extension to IMAGE_KEYS is all it takes. What
@@ -691,7 +692,6 @@ def restore_checkpoint(run, state):
 def stop_run(run, epoch, step, saved=None):
   """The end of a run stopped at a step boundary: saves (unless `saved` holds this very state),
   says so; returns the exit code (75 for SIGTERM or SIGHUP, 130 for Ctrl-C)."""
-  run.log.flush()  # The lines of the steps it holds, which the log's thread may still print.
   if saved is None and run.cfg.ckpt_dir:
     xm.master_print(f'Stopping at epoch {epoch} step {step}: saving a checkpoint ...', flush=True)
     saved = save_checkpoint(run, epoch, step)
@@ -838,10 +838,10 @@ def main(argv):
             'asks for', file=sys.stderr, flush=True)
     cfg.num_classes = cfg.num_classes or (len(classes) if classes else CIFAR_CLASSES)
     if supervisor:
-      labels = [label for flag, urls in found.items() if urls
-                for label in supervisor.check_format(flag, urls[0], lambda urls, on_bad:
-                    read_samples(urls, parse, cfg.num_classes, on_bad, cfg.read_timeout))]
-      print(describe_data(cfg, classes, labels))
+      seen = {flag: supervisor.check_format(flag, urls[0], lambda urls, on_bad: read_samples(
+                  urls, parse, cfg.num_classes, on_bad, cfg.read_timeout)) if urls else []
+              for flag, urls in found.items()}
+      print(describe_data(cfg, classes, seen))
       print(supervisor.describe_model(cfg.model, build_model(cfg, cfg.num_classes), cfg.num_classes))
       given = {name for name in FLAGS if FLAGS[name].present}
       print(supervisor.describe_recipe(cfg, supervisor.recipe_source(given, recipe_name, settings)),
@@ -884,18 +884,20 @@ def shard_classes(pattern):
     raise utils.UsageError(f'cannot read {name} ({e}): check it, or give --num_classes') from None
 
 
-def describe_data(cfg, classes, labels):
-  """The Data line: what the run trains on; labels: those of the samples the start check read,
-  said if all lie below a count of classes that nothing gave (a set of 3 classes, say)."""
+def describe_data(cfg, classes, seen):
+  """The Data line: what the run trains on; seen: {flag: the labels of the samples the start
+  check read}, said if all lie below a count of classes that nothing gave (3 classes, say)."""
   train, test = (len(list(braceexpand.braceexpand(pattern)))
                  for pattern in (cfg.wds_traindir, cfg.wds_testdir))
   test_samples = f'{cfg.testsize:,} evaluation samples' if cfg.testsize else 'the evaluation samples'
   source = ('--num_classes' if FLAGS['num_classes'].present else
             'the classes file beside the training shards' if classes else
             "CIFAR-10's; give --num_classes for other shards")
+  labels = [label for split in seen.values() for label in split]
   if source.startswith('CIFAR') and labels and max(labels) < cfg.num_classes - 1:
-    source += (f': the labels seen are {min(labels)} to {max(labels)} (of the first '
-               f'{len(labels)} samples)')
+    source += (f'; the labels seen are {min(labels)} to {max(labels)}, in the first ' + ' and '.join(
+        f'{len(split)} {"training" if flag == "wds_traindir" else "evaluation"}'
+        for flag, split in seen.items() if split) + ' samples')
   return (f'Data: {cfg.trainsize:,} training samples in {plural(train, "shard")} and '
           f'{test_samples} in {test}, at 3x{cfg.img_dim}x{cfg.img_dim} uint8, {cfg.num_classes} '
           f'classes ({source})')
@@ -908,21 +910,21 @@ def plural(count, noun):
 def parse_argv(argv):
   """utils.parse_flags with the flags of other scripts said (ELSEWHERE); but first a shard pattern
   left unquoted, which the shell expands into many arguments: absl would say `unexpected
-  arguments`, or keep the last of many --flag=... without a word."""
-  given, flag = {}, None
-  for arg in argv[1:]:
-    if arg.startswith('--'):
-      name, equals, value = arg.partition('=')
-      flag = None if equals else name  # A value of its own, or in the next argument(s).
-      given.setdefault(name, []).extend([value] if equals else [])
+  arguments`, or keep the last of many --wds_traindir=... without a word."""
+  given, flag = {'wds_traindir': [], 'wds_testdir': []}, None
+  for arg in argv[1:argv.index('--') if '--' in argv else len(argv)]:
+    name, equals, value = arg.lstrip('-').partition('=')
+    if arg.startswith('-'):
+      flag = name if name in given and not equals else None  # Its value: the next argument(s).
+      given.get(name, []).extend([value] if equals else [])
     elif flag:
       given[flag].append(arg)
   for name, values in given.items():
     shards = [value for value in values if re.search(r'\.(tar|tgz|tar\.gz)$', value)]
-    if len(shards) > 1:
-      utils.die(f'{name}: the shell expanded its shard pattern into {len(shards)} names ('
-                f'{shards[0]} ... {shards[-1]}): quote it, as in {name} '
-                f"'{brace_pattern(shards)}'")
+    if len(set(shards)) > 1:
+      utils.die(f'--{name}: the shell expanded its shard pattern into {len(shards)} names ('
+                f'{shards[0]} ... {shards[-1]}): quote it, as in --{name} '
+                f'{shlex.quote(brace_pattern(shards))}')
   return utils.parse_flags(argv, {**(supervisor.UPSTREAM_FLAGS if supervisor else {}), **ELSEWHERE})
 
 
@@ -931,7 +933,8 @@ def brace_pattern(names):
   prefix = re.sub(r'\d+$', '', os.path.commonprefix(names))
   suffix = re.sub(r'^\d+', '', os.path.commonprefix([name[::-1] for name in names])[::-1])
   middles = [name[len(prefix):len(name) - len(suffix)] for name in names]
-  if all(middle.isdigit() for middle in middles):
+  if all(middle.isdigit() for middle in middles) and [int(middle) for middle in middles] == list(
+      range(int(middles[0]), int(middles[0]) + len(middles))):
     return f'{prefix}{{{middles[0]}..{middles[-1]}}}{suffix}'
   return f'{prefix}{{{",".join(middles)}}}{suffix}'
 

@@ -325,8 +325,8 @@ def normalize(images, mean=IMAGENET_MEAN, std=IMAGENET_STD):
   elif channels != len(mean) and images.shape[-1] in (1, len(mean)):  # A numpy or PIL layout.
     raise UsageError(f"uint8 images of {'x'.join(map(str, images.shape[-3:]))} are height x width "
                      'x channels: the step takes channels x height x width; give each image as '
-                     "image.permute(2, 0, 1) in build_datasets (v2.ToImage() turns a PIL image or "
-                     'numpy array so)')
+                     "image.permute(2, 0, 1) in build_datasets, or add v2.ToImage() to the "
+                     'transform, which makes a PIL image or numpy array channels-first')
   elif channels != len(mean):
     raise UsageError(f'{channels}-channel uint8 images: utils.normalize takes {len(mean)} channels '
                      "or 1: make them RGB (v2.RGB() in build_datasets' transform), or float "

@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 
 import numpy as np
 import pytest
@@ -178,11 +179,17 @@ def test_a_stop_trains_the_step_the_signal_lands_in_and_two_more_and_saves_them(
        '8', '--num_workers', '0', '--log_steps', '1', '--ckpt_dir', str(tmp_path / 'ckpt')],
       cwd=project, env=script_env(RELEASE=str(release)), stdout=subprocess.PIPE,
       stderr=subprocess.STDOUT, text=True, bufsize=1, start_new_session=True)
-  out = wait_for(process, r'^\| Training .* Step=7 ')
-  os.killpg(process.pid, signal.SIGINT)  # As Ctrl-C in a terminal: every process of the run.
-  out += wait_for(process, r'^Stopping after this step and saving')
-  release.touch()
+  # Should the run never print what is waited for, it is ended: the test fails, not hangs.
+  timer = threading.Timer(300, lambda: process.poll() is None and os.killpg(process.pid, 9))
+  timer.start()
+  try:
+    out = wait_for(process, r'^\| Training .* Step=7 ')
+    os.killpg(process.pid, signal.SIGINT)  # As Ctrl-C in a terminal: every process of the run.
+    out += wait_for(process, r'^Stopping after this step and saving')
+  finally:
+    release.touch()
   rest, _ = process.communicate(timeout=300)
+  timer.cancel()
   out += rest
   assert process.returncode == 130, out
   assert sorted(os.listdir(tmp_path / 'ckpt')) == ['.lock', 'ckpt-00000011.pt'], out
@@ -409,8 +416,9 @@ KIT_MISTAKES = {
     'images of height x width x channels': (
         'images = (images * 255).to(torch.uint8).permute(0, 2, 3, 1)', 'num_classes',
         r'^error: uint8 images of 16x16x3 are height x width x channels: the step takes channels x '
-        r'height x width; give each image as image\.permute\(2, 0, 1\) in build_datasets '
-        r'\(v2\.ToImage\(\) turns a PIL image or numpy array so\)$'),
+        r'height x width; give each image as image\.permute\(2, 0, 1\) in build_datasets, '
+        r'or add v2\.ToImage\(\) to the transform, which makes a PIL image or numpy array '
+        r'channels-first$'),
     # Scores for 2 classes of 3 trained label 2 silently too; a shape the loss refuses was a
     # traceback. The shape is known as the step is traced: one line before any compile.
     'a model with a score too few': (

@@ -1008,7 +1008,8 @@ def test_trains_on_the_tutorials_shards_over_http_to_high_accuracy(http_shards, 
   # where the colours are 4.
   assert re.search(r'^Data: 480 training samples in 10 shards and 200 evaluation samples in 4, '
                    r"at 3x32x32 uint8, 10 classes \(CIFAR-10's; give --num_classes for other "
-                   r'shards: the labels seen are 0 to 3 \(of the first 32 samples\)\)\n'
+                   r'shards; the labels seen are 0 to 3, in the first 16 training and 16 '
+                   r'evaluation samples\)\n'
                    r'Model: resnet18 ', result.stdout, re.M), \
       result.stdout[:1000]
   results = read_json(tmp_path / 'r.json')
@@ -1197,8 +1198,9 @@ def test_shards_of_fewer_classes_and_no_classes_file_say_the_labels_seen(tmp_pat
                       '--num_workers', 1, '--results_json', tmp_path, timeout=300)
   assert_one_error(result, 2, r'^error: --results_json \S+ is a folder')  # To end it here.
   assert re.search(r'^Data: 24 training samples in 1 shard and the evaluation samples in 1, at '
-                   r"3x32x32 uint8, 10 classes \(CIFAR-10's; give --num_classes for other shards: "
-                   r'the labels seen are 0 to 2 \(of the first 22 samples\)\)$', result.stdout,
+                   r"3x32x32 uint8, 10 classes \(CIFAR-10's; give --num_classes for other shards; "
+                   r'the labels seen are 0 to 2, in the first 16 training and 6 evaluation '
+                   r'samples\)$', result.stdout,
                    re.M), result.stdout
 
 
