@@ -20,6 +20,7 @@ again goes on exactly where the last one stopped, on this mesh or another. SIGTE
 """
 
 import asyncio
+import enum
 import functools
 import math
 import os
@@ -750,10 +751,20 @@ class ShardsReader(FsspecReader):
 
   class Unpickler(pickle.Unpickler):
     def find_class(self, module, name):
+      if (module, name) == ('builtins', 'getattr'):  # An Enum member, as Python 3.11.2 pickles it.
+        return ShardsReader.enum_member
       if (module, name) in ShardsReader.ALLOWED or (
           module == 'torch' and isinstance(getattr(torch, name, None), torch.dtype)):
         return super().find_class(module, name)
       raise pickle.UnpicklingError(f'{module}.{name} is not part of a checkpoint\'s index')
+
+  @staticmethod
+  def enum_member(cls, name):
+    """getattr(cls, name) for a member of an Enum of the index alone."""
+    if isinstance(cls, enum.EnumMeta) and name in cls.__members__ and (
+        cls.__module__, cls.__name__) in ShardsReader.ALLOWED:
+      return cls[name]
+    raise pickle.UnpicklingError(f'getattr({cls!r}, {name!r}) is not part of a checkpoint\'s index')
 
   def read_metadata(self, *args, **kwargs):
     with self.fs.create_stream(self._get_metadata_path(), 'rb') as f:

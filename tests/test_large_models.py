@@ -4,6 +4,7 @@ XLA:CPU devices, against batch (data parallel), and its sharded checkpoints, sav
 Storage emulator and restored on another mesh. (The kill -9, SIGTERM and bitwise resume of an
 fsdp run: tests/test_resnet_spmd.py.)"""
 
+import io
 import json
 import os
 import pickle
@@ -12,6 +13,7 @@ import subprocess
 import sys
 
 import fsspec
+import pytest
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 
@@ -254,3 +256,32 @@ def test_the_docs_adamw_goes_into_build_optimizer_and_says_so(tmp_path):
   assert_one_error(subprocess.run([*args, '--lr', '0.1'], cwd=project, env=env,
                                   capture_output=True, text=True, timeout=300), 2,
                    r"^error: --lr 0\.1 is SGD's rate: give AdamW's, such as 0\.001$")
+
+
+class _Reduced:
+  """Pickles as the call getattr(owner, name), as Python 3.11.2 (Debian 12's python3) pickles
+  an Enum member."""
+
+  def __init__(self, owner, name):
+    self.owner, self.name = owner, name
+
+  def __reduce__(self):
+    return getattr, (self.owner, self.name)
+
+
+def test_the_shards_index_takes_an_enum_member_pickled_by_getattr_and_nothing_else():
+  # Under Python 3.11.2 the index's _MEM_FORMAT_ENCODING member came as getattr(class, name),
+  # and every sharded checkpoint was refused there. Any other getattr is still refused.
+  import train_resnet_spmd
+  from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
+  member = next(iter(_MEM_FORMAT_ENCODING))
+
+  def load(owner, name):
+    data = pickle.dumps(_Reduced(owner, name), protocol=4)  # As torch writes the index.
+    return train_resnet_spmd.ShardsReader.Unpickler(io.BytesIO(data)).load()
+
+  assert load(_MEM_FORMAT_ENCODING, member.name) is member
+  for owner, name in ((_MEM_FORMAT_ENCODING, '__class__'), (torch.Size, 'count')):
+    with pytest.raises(pickle.UnpicklingError, match=r"^getattr\(.*\) is not part of a "
+                       r"checkpoint's index$"):
+      load(owner, name)
