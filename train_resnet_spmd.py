@@ -20,6 +20,7 @@ again goes on exactly where the last one stopped, on this mesh or another. SIGTE
 """
 
 import asyncio
+import contextlib
 import enum
 import functools
 import math
@@ -27,6 +28,7 @@ import os
 import pickle
 import sys
 import time
+import uuid
 import warnings
 from types import SimpleNamespace
 
@@ -127,6 +129,9 @@ if (__name__ == '__main__' and 'IPython' not in sys.modules and
   except flags.Error:
     pass  # Said in one line by app.run's parse.
 
+# XLA's C++ warnings (GSPMD's deprecation notice at each compile of a sharded graph, 20 at a
+# resume) say nothing a user can act on; its errors still print. TF_CPP_MIN_LOG_LEVEL=1 shows them.
+os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')  # Before torch_xla loads XLA.
 import fsspec
 import numpy as np
 import torch
@@ -146,7 +151,8 @@ from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, Fsspec
 from torch.utils.tensorboard import SummaryWriter
 from torch_xla.distributed.fsdp import checkpoint_module
 from torch_xla.distributed.fsdp.wrap import transformer_auto_wrap_policy
-from torch_xla.experimental.distributed_checkpoint import SPMDLoadPlanner, SPMDSavePlanner
+from torch_xla.experimental.distributed_checkpoint import (SPMDLoadPlanner, SPMDSavePlanner,
+                                                          prime_optimizer)
 from torch_xla.experimental.spmd_fully_sharded_data_parallel import \
     SpmdFullyShardedDataParallel as FSDPv2
 from torchvision.transforms import v2
@@ -521,14 +527,29 @@ def say_held(run):
 
 def sharded(loader, mesh, device, cfg):
   """The loader's batches on the device, each host's batch its devices' rows of the global
-  batch (minibatch=True), sharded over every device of the mesh (both of its axes)."""
-  batch = ('data', 'fsdp')
-  sharding = dict(images=xs.ShardingSpec(mesh, (batch, None, None, None), minibatch=True),
-                  labels=xs.ShardingSpec(mesh, (batch,), minibatch=True))
+  batch, sharded over every device of the mesh (BatchSharding)."""
   return pl.MpDeviceLoader(loader, device, loader_prefetch_size=cfg.loader_prefetch_size,
                            device_prefetch_size=cfg.device_prefetch_size,
                            host_to_device_transfer_threads=cfg.host_to_device_transfer_threads,
-                           input_sharding=sharding)
+                           input_sharding=BatchSharding(mesh))
+
+
+class BatchSharding(xs.ShardingSpec):
+  """MpDeviceLoader's spec for every tensor of a batch: its first dimension (the batch) split over
+  both axes of the mesh, the others whole, whatever their number: images (N, C, H, W), labels
+  (N,) and tokens (N, T) alike. (One spec of a fixed rank would send a tensor of another rank
+  to every device whole, without a word.) minibatch: each host gives its devices' rows."""
+
+  def __init__(self, mesh):
+    super().__init__(mesh, (('data', 'fsdp'),), minibatch=True)
+    self.by_rank = {}
+
+  def xla_spec(self, tensor):
+    rank = max(tensor.dim(), 1)  # A 0-dimensional tensor: no spec fits, so on every device.
+    if rank not in self.by_rank:
+      self.by_rank[rank] = xs.ShardingSpec(self.mesh, (('data', 'fsdp'),) + (None,) * (rank - 1),
+                                           minibatch=True)
+    return self.by_rank[rank].xla_spec(tensor)
 
 
 def train(cfg, stop_signal):
@@ -634,10 +655,12 @@ def run(argv):
 def write_sharded(state, ckpt_dir, keep, best):
   """utils.write_checkpoint of a state whose device tensors (the weights, the optimizer's state)
   every host writes itself, only the shards its devices hold, through torch.distributed.
-  checkpoint: into ckpt-N/ beside ckpt-N.pt, which holds the rest (and each weight's shape)."""
+  checkpoint: into ckpt-N/ beside ckpt-N.pt, which holds the rest (and each weight's shape) and
+  the id of this save, which the folder's index holds too (process 0's, which writes both)."""
   tensors, rest = split_tensors(dict(model=state['model'], optimizer=state['optimizer']['state']))
+  save_id = uuid.uuid4().hex
   plain = dict(state, model={name: weight.shape for name, weight in state['model'].items()},
-               optimizer=dict(state['optimizer'], state=rest['optimizer']))
+               optimizer=dict(state['optimizer'], state=rest['optimizer']), shards_id=save_id)
 
   def write(folder):
     if torch.distributed.is_initialized():  # Several hosts: none writes if process 0 refused.
@@ -646,10 +669,8 @@ def write_sharded(state, ckpt_dir, keep, best):
       except RuntimeError:
         raise utils.UsageError(f'process 0 ended before checkpoint {folder} was written: its '
                                'line says why') from None
-    local = fsspec.utils.get_protocol(folder) == 'file'  # Else no file to fsync, but os.sync().
     try:
-      dcp.save(tensors, storage_writer=FsspecWriter(folder, sync_files=local,
-                                                    **utils.fs_options(folder)),
+      dcp.save(tensors, storage_writer=ShardsWriter(folder, save_id),
                planner=SPMDSavePlanner(), no_dist=not torch.distributed.is_initialized())
     except BaseException as e:  # torch.distributed.checkpoint's CheckpointException is one.
       raise shards_error(e, f'cannot write checkpoint {folder}', 'free space in --ckpt_dir or '
@@ -661,16 +682,9 @@ def read_sharded(state, model, optimizer):
   """Loads the shards of a write_sharded checkpoint into the model's weights and the
   optimizer's state, in place: each host reads what its devices hold on this run's mesh,
   whatever the mesh that wrote them. Returns the state with the optimizer's state_dict whole."""
-  if not optimizer.state:  # Its state, made by a step that changes nothing, to load into.
-    for parameter in model.parameters():
-      parameter.grad = torch.zeros_like(parameter)
-    lrs = [group['lr'] for group in optimizer.param_groups]
-    for group in optimizer.param_groups:
-      group['lr'] = 0.0
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    for group, lr in zip(optimizer.param_groups, lrs):
-      group['lr'] = lr
+  if not optimizer.state:  # Its state to load into, made by a step of zero gradients, sharded
+    prime_optimizer(optimizer)  # as its weights are (else it loads whole on every device).
+    optimizer.zero_grad(set_to_none=True)  # The first step's graph as a fresh run's.
   groups = [len(group['params']) for group in optimizer.param_groups]
   if groups != [len(group['params']) for group in state['optimizer']['param_groups']]:
     raise utils.UsageError(f'checkpoint {state["shards"]} was saved with other parameter groups '
@@ -679,7 +693,13 @@ def read_sharded(state, model, optimizer):
   folder = state['shards']
   reader = ShardsReader(folder, **utils.fs_options(folder))
   try:
-    saved = reader.read_metadata().state_dict_metadata
+    index = reader.read_metadata()
+    if state.get('shards_id', index.storage_meta.save_id) != index.storage_meta.save_id:
+      raise utils.UsageError(f'{folder} is not the folder of shards saved with {folder}.pt (its '
+                             'index names another save): nothing was changed; put back the '
+                             'folder saved with it, or move both out of --ckpt_dir to resume '
+                             'from the one before')
+    saved = index.state_dict_metadata
     # A parameter without state there had no gradient in that run (frozen, or SGD without
     # momentum then): it starts without one here too, as a whole file's restore does.
     parameters = [p for group in optimizer.param_groups for p in group['params']]
@@ -693,6 +713,8 @@ def read_sharded(state, model, optimizer):
     if not missing:
       dcp.load(tensors, storage_reader=reader, planner=SPMDLoadPlanner(),
                no_dist=not torch.distributed.is_initialized())
+  except utils.UsageError:
+    raise
   except BaseException as e:
     raise shards_error(e, f'cannot read checkpoint {folder}', 'nothing was changed; make it '
                        'readable, or move it out of --ckpt_dir to resume from the one before'
@@ -737,6 +759,30 @@ def shards_error(error, what, advice):
                             f'{str(cause).strip().splitlines()[0] if str(cause).strip() else ""}): '
                             f'{advice}')
   return cause
+
+
+class ShardsWriter(FsspecWriter):
+  """torch.distributed.checkpoint's writer of a folder of shards, whose index (.metadata) names
+  the save (save_id), and whose write to a bucket that fails sends nothing more: neither the
+  file's last part nor a request to remove it, each of which would wait a deadline of its own.
+  (The folder is no checkpoint without its file, and a later save removes it.)"""
+
+  def __init__(self, folder, save_id):
+    local = fsspec.utils.get_protocol(folder) == 'file'  # Else no file to fsync, but os.sync().
+    super().__init__(folder, sync_files=local, **utils.fs_options(folder))
+    self.save_id = save_id  # (dcp.save resets it only when given a checkpoint_id.)
+    if not local:
+      self.fs.create_stream = self.create_stream
+
+  @contextlib.contextmanager
+  def create_stream(self, path, mode):
+    stream = self.fs.fs.open(os.fspath(path), mode)
+    try:
+      yield stream
+    except BaseException:
+      stream.closed = True  # So closing it sends nothing (an upload begun expires unfinished).
+      raise
+    stream.close()
 
 
 class ShardsReader(FsspecReader):

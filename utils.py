@@ -529,14 +529,17 @@ def say_finished(results, target_accuracy):
   """Says a finished run's totals; returns its exit code: 0, or 21 below target_accuracy."""
   xm.master_print(f'Total train time: {results["train_seconds"]:.1f} s', flush=True)
   after = results['compilations_after_epoch']  # At each epoch's end, its evaluation's in.
-  if after:  # Each graph compiled after epoch 1 would stall a TPU run for its compile time.
-    late = after[-1] - after[0]
-    first = results['eval_epochs'][0] - 1  # The first evaluation's graphs are not late ones.
-    if 0 < first < len(after):  # (--eval_interval, --test_only_at_end)
+  ours = [epoch for epoch, count in enumerate(after) if count is not None]
+  if ours:  # Each graph compiled after this process's first epoch would stall a TPU run.
+    start = ours[0]
+    late = after[-1] - after[start]
+    # The first evaluation's graphs are not late ones (--eval_interval, --test_only_at_end).
+    first = next((epoch - 1 for epoch in results['eval_epochs'] if epoch - 1 > start), None)
+    if first is not None and first < len(after):
       late -= after[first] - after[first - 1]
-    late = max(late, 0)  # A resumed run's first epoch compiles again.
-    xm.master_print(f'Graphs compiled: {results["compilations"]}, ' + (f'{late} after epoch 1 (a '
-        'new shape each: see docs/performance.md)' if late else 'none after epoch 1'), flush=True)
+    xm.master_print(f'Graphs compiled: {results["compilations"]}, ' + (f'{late} after epoch '
+        f'{start + 1} (a new shape each: see docs/performance.md)' if late else
+        f'none after epoch {start + 1}'), flush=True)
   xm.master_print(f'Max Accuracy: {results["max_accuracy"]:.2f}%', flush=True)
   if results['final_accuracy'] < target_accuracy:
     xm.master_print(f'Accuracy {results["final_accuracy"]:.2f} is below target '
@@ -890,6 +893,9 @@ def checkpoint_to_resume(resume_path, ckpt_dir, weights, flag_values, world_size
                      'one of a run of this script as it is now, or another --ckpt_dir')
   check_same_model(weights, state, path, flag_values)
   accuracies = state['results']['epoch_accuracies']  # Saved before --eval_interval: every epoch.
+  # Another process's counts: this one compiles its graphs anew (say_finished counts from here).
+  compiled = state['results']['compilations_after_epoch']
+  state['results']['compilations_after_epoch'] = [None] * len(compiled)
   state['results'].setdefault('eval_epochs', list(range(1, len(accuracies) + 1)))
   where = f'epoch {state["epoch"]} goes on from step {state["step"]}'
   for name in batch_flags:

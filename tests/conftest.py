@@ -320,6 +320,14 @@ def read_checkpoint(path):
   return state
 
 
+def index_chunks(folder):
+  """{tensor: the sizes of its chunks} in the index of a folder of shards."""
+  from torch.distributed.checkpoint import FileSystemReader
+  index = FileSystemReader(folder).read_metadata()
+  return {name: [list(chunk.sizes) for chunk in stored.chunks]
+          for name, stored in index.state_dict_metadata.items() if hasattr(stored, 'chunks')}
+
+
 def newest_checkpoint(ckpt_dir):
   names = sorted(p for p in os.listdir(ckpt_dir) if re.fullmatch(r'ckpt-\d+\.pt', p))
   return read_checkpoint(pathlib.Path(ckpt_dir, names[-1]))
@@ -400,13 +408,17 @@ def bucket(tmp_path):
   server.wait()
 
 
+HTTP_METHODS = {b'GET', b'HEAD', b'POST', b'PUT', b'PATCH', b'DELETE'}
+
+
 class SlowLink:
   """A TCP proxy on 127.0.0.1 to a server's port, whose answers pass, or trickle (a byte every
   `every` s) once `trickle` is set, or once a request holds the bytes `when`: a slow or
-  half-dead link in front of a real server."""
+  half-dead link in front of a real server. `later` counts the requests sent once it trickles."""
 
   def __init__(self, port, every=0.2, when=None):
     self.target, self.every, self.trickle, self.when = port, every, False, when
+    self.later = 0
     self.listener = socket.create_server(('127.0.0.1', 0))
     self.port = self.listener.getsockname()[1]
     threading.Thread(target=self._accept, daemon=True).start()
@@ -421,6 +433,8 @@ class SlowLink:
   def _pass(self, source, sink, answers):
     try:
       while data := source.recv(65536):
+        if not answers and self.trickle and data.split(b' ', 1)[0] in HTTP_METHODS:
+          self.later += 1
         if not answers and self.when and self.when in data:
           self.trickle = True
         if answers and self.trickle:

@@ -9,6 +9,7 @@ import json
 import os
 import pickle
 import re
+import shutil
 import subprocess
 import sys
 
@@ -17,16 +18,19 @@ import pytest
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 
-from conftest import (COLOURS, REPO, assert_one_error, finish, read_checkpoint, read_json,
-                      run_script, script_env, start_script, training_losses)
+from conftest import (COLOURS, REPO, SlowLink, assert_one_error, finish, index_chunks,
+                      read_checkpoint, read_json, run_script, script_env, start_script,
+                      training_losses)
 
 SCRIPT = 'train_resnet_spmd.py'
 
 # What a run restores, through the script's own start_run (its resume), dumped to a file: the
 # weights and the optimizer's state on the CPU, under --sharding fsdp and batch. Then the
-# resumes of REFUSED ([[--model, --resume], ...]), each refused: what it says, a line each.
+# resumes of REFUSED ([[--model, --resume], ...]), each refused: what it says, a line each. Last,
+# the fsdp run's save to a bucket that stalls as the shards upload (STALLED: its address).
 RESTORE = '''
 import json, os, sys, types
+import gcsfs
 import torch
 import train_resnet_spmd as script
 import utils
@@ -38,7 +42,7 @@ def start():
   devices = script.xr.global_runtime_device_count()
   return script.start_run(cfg, int(os.environ['CLASSES']), 6, lambda: 0,
                           script.build_mesh(cfg, devices, 1))
-restored = {}
+restored, runs = {}, {}
 for sharding in ('fsdp', 'batch'):
   script.FLAGS.sharding = sharding
   run = start()
@@ -46,6 +50,7 @@ for sharding in ('fsdp', 'batch'):
       model={name: weight.cpu() for name, weight in script.weights(run.model).items()},
       optimizer={index: {name: value.cpu() for name, value in state.items()}
                  for index, state in run.optimizer.state_dict()['state'].items()})
+  runs[sharding] = run
 torch.save(restored, os.environ['RESTORED'])
 for model, resume in json.loads(os.environ['REFUSED']):
   script.FLAGS.model, script.FLAGS.resume = model, resume
@@ -53,6 +58,13 @@ for model, resume in json.loads(os.environ['REFUSED']):
     start()
   except utils.UsageError as e:
     print(f'refused: {e}')
+os.environ['STORAGE_EMULATOR_HOST'] = os.environ['STALLED']
+gcsfs.GCSFileSystem.clear_instance_cache()
+utils.BUCKET_SECONDS, runs['fsdp'].cfg.ckpt_dir = 2, 'gs://data/stalled'
+try:
+  script.save_checkpoint(runs['fsdp'], 2, 0)
+except utils.UsageError as e:
+  print(f'refused: {e}')
 '''
 
 
@@ -135,19 +147,30 @@ def test_fsdp_and_hybrid_train_as_batch_does_and_shard_what_each_device_holds(
     def __reduce__(self):
       return os.system, (f'touch {tmp_path / "ran"}',)
   (damaged / 'ckpt-00000003' / '.metadata').write_bytes(pickle.dumps(Command()))
+  # And a folder put in another's place: step 2's shards, of the same model, under step 3's name.
+  swapped = tmp_path / 'swapped'
+  fs.get('data/fsdp/', str(swapped), recursive=True)
+  shutil.rmtree(swapped / 'ckpt-00000003')
+  shutil.copytree(swapped / 'ckpt-00000002', swapped / 'ckpt-00000003')
 
   # Restored on two devices under fsdp, and under batch, from the bucket: the very weights and
   # optimizer state saved on four (resharded: each device reads its own part). Then another
-  # model, and the damaged ones: each one line, before anything trains; the command not run.
+  # model, the damaged ones and the swapped one: each one line, before anything trains; the
+  # command not run. Then a save whose upload stalls: one deadline (2 s) and one line, and no
+  # request after the one that stalled (neither the file's last part nor its removal).
   restored = tmp_path / 'restored.pt'
   refused = [['resnet34', 'gs://data/fsdp/ckpt-00000003.pt'],
              ['resnet18', str(damaged / 'ckpt-00000002.pt')],
-             ['resnet18', str(damaged / 'ckpt-00000003.pt')]]
+             ['resnet18', str(damaged / 'ckpt-00000003.pt')],
+             ['resnet18', str(swapped / 'ckpt-00000003.pt')]]
+  link = SlowLink(int(bucket['STORAGE_EMULATOR_HOST'].rsplit(':', 1)[1]),
+                  when=b'stalled/ckpt-00000003/')
   result = subprocess.run(
       [sys.executable, '-c', RESTORE, *map(str, args), '--num_epochs', '2', '--resume',
        'gs://data/fsdp/ckpt-00000003.pt'],
       cwd=REPO, env=script_env(CPU_NUM_DEVICES='2', CLASSES=str(len(COLOURS)),
-                               RESTORED=str(restored), REFUSED=json.dumps(refused), **bucket),
+                               RESTORED=str(restored), REFUSED=json.dumps(refused),
+                               STALLED=f'http://127.0.0.1:{link.port}', **bucket),
       capture_output=True, text=True, timeout=600)
   assert result.returncode == 0, result.stderr[-3000:]
   assert len(re.findall(r'^Resumed from gs://data/fsdp/ckpt-00000003\.pt at epoch 2 step 0$',
@@ -159,9 +182,15 @@ def test_fsdp_and_hybrid_train_as_batch_does_and_shard_what_each_device_holds(
            r'now\): give the flags of that run, or another --ckpt_dir',
            rf'cannot read checkpoint \S+ckpt-00000002 \(\w+Error: .*\): {cannot_read}',
            r"cannot read checkpoint \S+ckpt-00000003 \(UnpicklingError: posix\.system is not part "
-           rf"of a checkpoint's index\): {cannot_read}"]
+           rf"of a checkpoint's index\): {cannot_read}",
+           r'\S+swapped/ckpt-00000003 is not the folder of shards saved with \S+swapped/'
+           r'ckpt-00000003\.pt \(its index names another save\): nothing was changed; put back the '
+           r'folder saved with it, or move both out of --ckpt_dir to resume from the one before',
+           r'cannot write checkpoint gs://data/stalled/ckpt-00000003: a request to the bucket took '
+           r'over 2 s; check the network, then run the same command again']
   said = re.findall(r'^refused: (.*)$', result.stdout, re.M)
-  assert len(said) == 3, said
+  assert len(said) == 5, said
+  assert link.trickle and link.later == 0, link.later
   for line, text in zip(lines, said):
     assert re.fullmatch(line, text), text
   assert not (tmp_path / 'ran').exists()
@@ -231,10 +260,25 @@ def test_sharded_checkpoints_rotate_with_their_folders_and_keep_the_one_best_pt_
   assert torch.load(ckpt_dir / 'best.pt', weights_only=True)['shards'] == 'ckpt-00000004'
 
 
-def test_the_docs_adamw_goes_into_build_optimizer_and_says_so(tmp_path):
-  # docs/adapt.md's build_optimizer, put in place of the script's in a copy of the kit: the
-  # run names AdamW in its Recipe line (here it then stops at an unwritable --ckpt_dir, before
-  # any device work), and an SGD rate is its one line.
+def assert_same_state(ours, theirs):
+  """Two checkpoints hold bitwise equal weights and optimizer state, all of it."""
+  assert ours['model'].keys() == theirs['model'].keys()
+  differ = [name for name in ours['model'] if not torch.equal(ours['model'][name],
+                                                              theirs['model'][name])]
+  assert not differ, f'{len(differ)} weights differ, e.g. {differ[0]}'
+  assert ours['optimizer']['state'].keys() == theirs['optimizer']['state'].keys()
+  for index, values in theirs['optimizer']['state'].items():
+    for name, value in values.items():
+      assert torch.equal(ours['optimizer']['state'][index][name], value), (index, name)
+
+
+def test_the_docs_adamw_under_fsdp_resumes_at_any_step_as_the_run_it_goes_on(tmp_path):
+  # docs/adapt.md's build_optimizer, put in place of the script's in a copy of the kit, under
+  # --sharding fsdp on 3 devices, which divide none of the head's 1000 rows. A fresh run, and
+  # the same command in folders that hold what a run killed after its first or third save left
+  # (epoch 1 step 2, epoch 2 step 2): each resume holds on each device what the fresh run does
+  # (the moments sharded, not whole), compiles one graph more (the optimizer's state made to
+  # load into), and saves checkpoints equal to the fresh run's, bit for bit and chunk for chunk.
   page = (REPO / 'docs' / 'adapt.md').read_text()
   block = re.search(r'^```python\n(def build_optimizer\(.*?)^```', page, re.M | re.S)[1]
   source = (REPO / SCRIPT).read_text()
@@ -244,18 +288,51 @@ def test_the_docs_adamw_goes_into_build_optimizer_and_says_so(tmp_path):
   (project / SCRIPT).write_text(source.replace(ours, block + '\n\n'))
   for name in ('utils.py', 'supervisor.py', 'command.py'):
     (project / name).write_text((REPO / name).read_text())
-  (tmp_path / 'file').write_text('')
   args = [sys.executable, SCRIPT, '--fake_data', '--model', 'resnet18', '--img_dim', '16',
-          '--sharding', 'fsdp']
-  env = script_env(CPU_NUM_DEVICES='4')
-  said = subprocess.run([*args, '--lr', '0.001', '--ckpt_dir', str(tmp_path / 'file' / 'ckpt')],
-                        cwd=project, env=env, capture_output=True, text=True, timeout=300)
-  assert re.search(r'^Recipe: AdamW, lr 0\.001 constant, weight decay 0\.0001 \(', said.stdout,
-                   re.M), said.stdout
-  assert_one_error(said, 2, r'^error: cannot write to --ckpt_dir')
+          '--batch_size', '2', '--num_steps', '4', '--num_epochs', '2', '--sharding', 'fsdp',
+          '--ckpt_every_steps', '2', '--lr', '0.001', '--log_steps', '1', '--keep_checkpoints',
+          '10']
+  env = script_env(CPU_NUM_DEVICES='3')
   assert_one_error(subprocess.run([*args, '--lr', '0.1'], cwd=project, env=env,
                                   capture_output=True, text=True, timeout=300), 2,
                    r"^error: --lr 0\.1 is SGD's rate: give AdamW's, such as 0\.001$")
+
+  def run(name):
+    return subprocess.Popen([*args, '--ckpt_dir', tmp_path / name, '--results_json',
+                             tmp_path / f'{name}.json'], cwd=project, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  code, fresh = finish(run('fresh'))
+  assert code == 0, fresh
+  assert re.search(r'^Recipe: AdamW, lr 0\.001 constant, weight decay 0\.0001 \(', fresh, re.M)
+  held = read_json(tmp_path / 'fresh.json')
+  assert re.search(r'^Each device holds 15\.6 MB of weights and 31\.\d MB of optimizer state$',
+                   fresh, re.M), fresh  # A third of resnet18's 46.8 MB, and of its 2 moments.
+  saved = {step: read_checkpoint(tmp_path / 'fresh' / f'ckpt-{step:08d}.pt') for step in (4, 6, 8)}
+  for step in (2, 6):
+    (tmp_path / f'from{step}').mkdir()
+    shutil.copy(tmp_path / 'fresh' / f'ckpt-{step:08d}.pt', tmp_path / f'from{step}')
+    shutil.copytree(tmp_path / 'fresh' / f'ckpt-{step:08d}', tmp_path / f'from{step}' /
+                    f'ckpt-{step:08d}')
+  resumes = {step: run(f'from{step}') for step in (2, 6)}
+  for step, process in resumes.items():
+    code, out = finish(process)
+    assert code == 0, out
+    epoch = 1 + step // 4
+    assert re.search(rf'^Resumed from \S+ckpt-{step:08d}\.pt at epoch {epoch} step 2$', out, re.M)
+    results = read_json(tmp_path / f'from{step}.json')
+    assert results['bytes_per_device'] == held['bytes_per_device'], out
+    assert results['compilations'] == held['compilations'] + 1, out
+    assert re.search(rf'^Graphs compiled: {results["compilations"]}, none after epoch {epoch}$',
+                     out, re.M), out
+    assert 'GSPMD' not in out and 'Traceback' not in out, out  # XLA's C++ warnings: quiet.
+    for later in [later for later in saved if later > step]:
+      name = f'ckpt-{later:08d}'
+      assert_same_state(read_checkpoint(tmp_path / f'from{step}' / f'{name}.pt'), saved[later])
+      assert (index_chunks(tmp_path / f'from{step}' / name) ==
+              index_chunks(tmp_path / 'fresh' / name)), (step, later)
+  # The moments are three chunks each, as the weights are (a third each, or none padded).
+  chunks = index_chunks(tmp_path / 'fresh' / 'ckpt-00000008')
+  assert len(chunks['optimizer.0.exp_avg']) == len(chunks['model.conv1.weight']) == 3, chunks
 
 
 class _Reduced:
@@ -285,3 +362,39 @@ def test_the_shards_index_takes_an_enum_member_pickled_by_getattr_and_nothing_el
     with pytest.raises(pickle.UnpicklingError, match=r"^getattr\(.*\) is not part of a "
                        r"checkpoint's index$"):
       load(owner, name)
+
+
+# A batch of other ranks through the script's own device loader on 4 devices: the rows each
+# device holds of each entry.
+BATCH_ROWS = '''
+import sys, types
+import torch, torch_xla
+import torch_xla.distributed.spmd as xs
+import train_resnet_spmd as script
+script.FLAGS(sys.argv)
+script.xr.use_spmd()
+cfg = types.SimpleNamespace(**script.FLAGS.flag_values_dict())
+mesh = script.build_mesh(cfg, script.xr.global_runtime_device_count(), 1)
+rows = torch.arange(8)
+batch = dict(tokens=rows[:, None] * 100 + torch.arange(5), labels=rows,
+             images=rows.float().view(8, 1, 1, 1).expand(8, 3, 4, 4).contiguous())
+for batch in script.sharded([batch], mesh, torch_xla.device(), cfg):
+  for name, tensor in batch.items():
+    shards = xs.XLAShardedTensor(tensor).local_shards
+    print(name, [[int(row) for row in shard.data.reshape(len(shard.data), -1)[:, 0]]
+                 for shard in shards], [list(shard.data.shape[1:]) for shard in shards][0])
+'''
+
+
+def test_a_batch_of_tokens_is_split_across_the_devices_as_images_are(tmp_path):
+  # A (N, T) batch of token ids, beside (N,) labels and (N, C, H, W) images: each of 4 devices
+  # holds its quarter of the rows of each, whole along the other dimensions (one spec of the
+  # images' rank sent the tokens whole to every device).
+  result = subprocess.run([sys.executable, '-c', BATCH_ROWS, '--sharding', 'fsdp'], cwd=REPO,
+                          env=script_env(CPU_NUM_DEVICES='4'), capture_output=True, text=True,
+                          timeout=300)
+  assert result.returncode == 0, result.stderr[-3000:]
+  quarters = '[[0, 1], [2, 3], [4, 5], [6, 7]]'
+  assert result.stdout.splitlines() == [
+      'tokens [[0, 100], [200, 300], [400, 500], [600, 700]] [5]', f'labels {quarters} []',
+      f'images {quarters} [3, 4, 4]'], result.stdout

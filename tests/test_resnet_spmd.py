@@ -10,9 +10,10 @@ import sys
 import numpy as np
 import torch
 
-from conftest import (REPO, assert_one_error, assert_same_training, finish, limit_file_size,
-                      newest_checkpoint, read_checkpoint, read_json, run_and_signal, run_script,
-                      script_env, seeded_random, start_script, training_losses, write_image)
+from conftest import (REPO, assert_one_error, assert_same_training, finish, index_chunks,
+                      limit_file_size, make_image_folder, newest_checkpoint, read_checkpoint, read_json,
+                      run_and_signal, run_script, script_env, seeded_random, start_script,
+                      training_losses, write_image)
 
 SCRIPT = 'train_resnet_spmd.py'
 FOUR = script_env(CPU_NUM_DEVICES='4')
@@ -43,14 +44,18 @@ def test_four_devices_learn_count_every_image_once_and_compile_only_in_epoch_1(t
 
 def test_killed_and_stopped_fsdp_run_on_four_devices_ends_bitwise_equal_and_as_one_device(
     tmp_path, colour_folder):
-  # Under --sharding fsdp: each host saves and loads its own shards (one host here).
+  # Under --sharding fsdp: each host saves and loads its own shards (one host here). A fifth
+  # class: 4 devices do not divide the head's 5 rows (a resume crashed on such a mesh).
+  make_image_folder(colour_folder, 'train', 64, seed=5, colours={'purple': (150, 40, 200)})
+  make_image_folder(colour_folder, 'val', 5, seed=6, colours={'purple': (150, 40, 200)})
   args = ['--sharding', 'fsdp', '--datadir', colour_folder, '--model', 'resnet18', '--img_dim', 16,
           '--test_set_batch_size', 4, '--num_epochs', 2, '--num_steps', 5, '--log_steps', 1,
           '--lr', 0.005, '--lr_scheduler_type', 'WarmupAndExponentialDecayScheduler',
           '--lr_scheduler_divide_every_n_epochs', 1, '--num_workers', 1]
   four = args + ['--batch_size', 4, '--ckpt_every_steps', 2]
   reference = start_script(SCRIPT, *four, '--ckpt_dir', tmp_path / 'reference',
-                           '--keep_checkpoints', 10, env=FOUR)
+                           '--keep_checkpoints', 10, '--results_json', tmp_path / 'reference.json',
+                           env=FOUR)
   # The same global batch of 16 on one device, for the first epoch.
   one = start_script(SCRIPT, *args, '--batch_size', 16, '--num_epochs', 1, '--ckpt_every_steps', 2,
                      '--ckpt_dir', tmp_path / 'one', '--keep_checkpoints', 10,
@@ -70,7 +75,7 @@ def test_killed_and_stopped_fsdp_run_on_four_devices_ends_bitwise_equal_and_as_o
   assert re.search(r'^Stopped by SIGTERM at epoch \d step \d: saved \S+; run the same command '
                    r'to resume \(exit code 75\)$', out, re.M), out
 
-  result = run_script(SCRIPT, *run, env=FOUR)
+  result = run_script(SCRIPT, *run, '--results_json', tmp_path / 'resumed.json', env=FOUR)
   assert result.returncode == 0, result.stdout + result.stderr
   assert re.search(r'^Resumed from \S+ at epoch \d step \d$', result.stdout, re.M), result.stdout
   code, reference_out = finish(reference)
@@ -78,6 +83,14 @@ def test_killed_and_stopped_fsdp_run_on_four_devices_ends_bitwise_equal_and_as_o
   resumed, uninterrupted = training_losses(result.stdout), training_losses(reference_out)
   assert resumed and all(uninterrupted[key] == loss for key, loss in resumed.items())
   assert_same_training(ckpt_dir, tmp_path / 'reference')
+  # Each resume put the momentum back sharded as the weights are: the same bytes a device, the
+  # same chunks in the checkpoints it saved, and one graph more than the run never stopped
+  # (the optimizer's state made to load into).
+  ours, theirs = read_json(tmp_path / 'resumed.json'), read_json(tmp_path / 'reference.json')
+  assert ours['bytes_per_device'] == theirs['bytes_per_device'], result.stdout
+  assert ours['compilations'] <= theirs['compilations'] + 1, result.stdout
+  newest = max(path.name for path in ckpt_dir.glob('ckpt-*.pt'))[:-len('.pt')]
+  assert index_chunks(ckpt_dir / newest) == index_chunks(tmp_path / 'reference' / newest)
   # best.pt names the folder of the best epoch end, kept though --keep_checkpoints (2) has
   # rotated its file out: it reads whole.
   best = read_checkpoint(ckpt_dir / 'best.pt')
