@@ -752,7 +752,10 @@ def shards_error(error, what, advice):
   """The one-line error of a failed save or load of shards (a bug's exception as it is)."""
   failures = getattr(error, 'failures', None)  # {rank: (exception, traceback)}
   cause = next(iter(failures.values()))[0] if failures else error
-  if isinstance(cause, asyncio.TimeoutError):  # A bucket's deadline (utils.fs_options).
+  context = cause  # A bucket's deadline (utils.fs_options), which torch's zip writer may have
+  while context is not None and not isinstance(context, asyncio.TimeoutError):  # met as a
+    context = context.__cause__ or context.__context__  # short write (a RuntimeError).
+  if context is not None:
     return utils.BucketTimeout(what)
   if isinstance(cause, (OSError, RuntimeError, pickle.UnpicklingError, EOFError, ValueError)):
     return utils.UsageError(f'{what} ({type(cause).__name__}: '

@@ -72,7 +72,7 @@ def test_fsdp_and_hybrid_train_as_batch_does_and_shard_what_each_device_holds(
     tmp_path, colour_folder, bucket, monkeypatch):
   args = ['--datadir', colour_folder, '--model', 'resnet18', '--img_dim', 16, '--batch_size', 2,
           '--test_set_batch_size', 2, '--num_epochs', 1, '--num_steps', 3, '--log_steps', 1,
-          '--lr', 0.005, '--num_workers', 1]
+          '--lr', 0.005, '--num_workers', 0]
   four = script_env(CPU_NUM_DEVICES='4', **bucket)
   runs = {'batch': start_script(SCRIPT, *args, '--results_json', tmp_path / 'batch.json',
                                 env=four),
@@ -163,8 +163,7 @@ def test_fsdp_and_hybrid_train_as_batch_does_and_shard_what_each_device_holds(
              ['resnet18', str(damaged / 'ckpt-00000002.pt')],
              ['resnet18', str(damaged / 'ckpt-00000003.pt')],
              ['resnet18', str(swapped / 'ckpt-00000003.pt')]]
-  link = SlowLink(int(bucket['STORAGE_EMULATOR_HOST'].rsplit(':', 1)[1]),
-                  when=b'stalled/ckpt-00000003/')
+  link = SlowLink(int(bucket['STORAGE_EMULATOR_HOST'].rsplit(':', 1)[1]), when=b'__0_0.distcp')
   result = subprocess.run(
       [sys.executable, '-c', RESTORE, *map(str, args), '--num_epochs', '2', '--resume',
        'gs://data/fsdp/ckpt-00000003.pt'],
