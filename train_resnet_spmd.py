@@ -130,8 +130,10 @@ if (__name__ == '__main__' and 'IPython' not in sys.modules and
     pass  # Said in one line by app.run's parse.
 
 # XLA's C++ warnings (GSPMD's deprecation notice at each compile of a sharded graph, 20 at a
-# resume) say nothing a user can act on; its errors still print. TF_CPP_MIN_LOG_LEVEL=1 shows them.
-os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')  # Before torch_xla loads XLA.
+# resume) say nothing a user can act on; its errors still print. Unset or 1 is torch_xla's own
+# default, which a notebook's kernel passes on: TF_CPP_MIN_LOG_LEVEL=0 shows them.
+if os.environ.get('TF_CPP_MIN_LOG_LEVEL', '1') == '1':  # Before torch_xla loads XLA.
+  os.environ['TF_CPP_MIN_LOG_LEVEL'] = '2'
 import fsspec
 import numpy as np
 import torch
