@@ -343,8 +343,10 @@ def end_epoch(run, epoch, accuracy, counts):
   if run.cfg.metrics_debug:
     xm.master_print(met.metrics_report(), flush=True)
   saved = save_checkpoint(run, epoch + 1, 0, best=best) if run.cfg.ckpt_dir else None
-  # After the last epoch a stop has nothing left to stop: the run ends as done.
-  return epoch < run.cfg.num_epochs and run.stop.agreed_at_epoch_end(), saved
+  # Every vote read, the last epoch's too (a last step that ran away: Diverged); after the last
+  # epoch a stop has nothing left to stop, and the run ends as done.
+  stop = run.stop.agreed_at_epoch_end()
+  return epoch < run.cfg.num_epochs and stop, saved
 
 
 def train(cfg, stop_signal):

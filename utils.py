@@ -1164,15 +1164,19 @@ class StopVote:
 
 def say_diverged(error, flag_values):
   """Says why the run diverged (StopVote's error) and the way out, after every replica's step
-  lines (add_totals printed them): a lower --lr, from the last checkpoint
-  (docs/checkpoints.md#a-run-that-diverges). Returns the exit code, 22."""
+  lines (add_totals printed them): a lower --lr (--weight_decay, where lr x weight decay is 1
+  or more), from the last checkpoint (docs/checkpoints.md#a-run-that-diverges). Returns the
+  exit code, 22."""
   if xr.world_size() > 1:
     xm.rendezvous('diverged')  # Every replica's step lines before the error.
   resume_from = flag_values.get('resume') or (flag_values.get('ckpt_dir') and max(
       list_checkpoints(flag_values['ckpt_dir']).items(), default=(0, None))[1])
-  lower = f'lower --lr (it is {flag_values["lr"]:g}) and run again'
+  lr, decay = flag_values['lr'], flag_values.get('weight_decay') or 0.0
+  # SGD and AdamW scale the weights by 1 - lr x weight decay a step: at 0 or below, it ran away.
+  flag, value = ('--weight_decay', decay) if lr * decay >= 1 else ('--lr', lr)
+  lower = f'lower {flag} (it is {value:g}) and run again'
   xm.master_print(f'error: {error}: training diverged; ' + (
-      f'{lower}: the same command resumes from {resume_from} with the new --lr (no checkpoint '
+      f'{lower}: the same command resumes from {resume_from} with the new {flag} (no checkpoint '
       'holds a step that ran away), or give another --ckpt_dir to start over' if resume_from
       else f'{lower}: nothing was saved, so it starts over' if flag_values.get('ckpt_dir') else
       lower) + f' (exit code {EXIT_DIVERGED})', fd=sys.stderr, flush=True)

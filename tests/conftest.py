@@ -74,6 +74,12 @@ def run_script(script, *args, env=None, timeout=900):
                         timeout=timeout)
 
 
+def both(run):
+  """The last lines of a finished run's stdout and stderr, for a failure's message: a run's
+  own stop or progress lines are on stdout, its errors and tracebacks on stderr."""
+  return (f'{(run.stdout or "")[-3000:]}\n--- stderr ---\n{(run.stderr or "")[-3000:]}')
+
+
 def read_json(path):
   """A --results_json file: read it only after asserting the exit code of the run that wrote
   it, so that a failed run shows its output rather than a FileNotFoundError."""

@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import (REPO, TRAIN_LINE, assert_nothing_left, assert_one_error, crafted_jpeg,
-                      finish, limit_file_size, make_cifar_python, make_image_folder,
-                      run_processes, run_script, script_env, start_script, wait_for)
+from conftest import (REPO, TRAIN_LINE, assert_nothing_left, assert_one_error, both, crafted_jpeg,
+                      finish, limit_file_size, make_cifar_python, make_image_folder, run_processes,
+                      run_script, script_env, start_script, wait_for)
 
 
 def replicas(session):
@@ -187,7 +187,7 @@ def test_failed_checkpoint_write_is_one_line_and_keeps_the_earlier_ones(data, tm
   cmd = [sys.executable, str(REPO / 'train_single_core.py'), *map(str, args)]
   first = subprocess.run([*cmd, '--num_epochs', '1'], cwd=REPO, env=script_env(),
                          capture_output=True, text=True, timeout=300)
-  assert first.returncode == 0, first.stderr
+  assert first.returncode == 0, both(first)
   kept = (ckpt_dir / 'ckpt-00000003.pt').read_bytes()
   # The next save (of epoch 2) does not fit: a resnet18 checkpoint is about 90 MB.
   full = subprocess.run([*cmd, '--num_epochs', '2'], cwd=REPO, env=script_env(),

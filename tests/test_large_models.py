@@ -18,7 +18,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 
-from conftest import (COLOURS, REPO, SlowLink, assert_one_error, finish, index_chunks,
+from conftest import (COLOURS, REPO, SlowLink, assert_one_error, both, finish, index_chunks,
                       read_checkpoint, read_json, run_script, script_env, start_script,
                       training_losses)
 
@@ -171,7 +171,7 @@ def test_fsdp_and_hybrid_train_as_batch_does_and_shard_what_each_device_holds(
                                RESTORED=str(restored), REFUSED=json.dumps(refused),
                                STALLED=f'http://127.0.0.1:{link.port}', **bucket),
       capture_output=True, text=True, timeout=600)
-  assert result.returncode == 0, result.stderr[-3000:]
+  assert result.returncode == 0, both(result)
   assert len(re.findall(r'^Resumed from gs://data/fsdp/ckpt-00000003\.pt at epoch 2 step 0$',
                         result.stdout, re.M)) == 2, result.stdout
   cannot_read = (r'nothing was changed; make it readable, or move it out of --ckpt_dir to resume '
@@ -247,7 +247,7 @@ def test_sharded_checkpoints_rotate_with_their_folders_and_keep_the_one_best_pt_
   ckpt_dir = tmp_path / 'ckpt'
   result = subprocess.run([sys.executable, '-c', ROTATION, str(ckpt_dir)], cwd=REPO,
                           env=script_env(), capture_output=True, text=True, timeout=300)
-  assert result.returncode == 0, result.stderr[-3000:]
+  assert result.returncode == 0, both(result)
   listings = [json.loads(line) for line in result.stdout.splitlines() if line.startswith('[')]
   pairs = lambda *steps: [name for step in steps for name in (f'ckpt-{step:08d}',  # noqa: E731
                                                               f'ckpt-{step:08d}.pt')]
@@ -392,7 +392,7 @@ def test_a_batch_of_tokens_is_split_across_the_devices_as_images_are(tmp_path):
   result = subprocess.run([sys.executable, '-c', BATCH_ROWS, '--sharding', 'fsdp'], cwd=REPO,
                           env=script_env(CPU_NUM_DEVICES='4'), capture_output=True, text=True,
                           timeout=300)
-  assert result.returncode == 0, result.stderr[-3000:]
+  assert result.returncode == 0, both(result)
   quarters = '[[0, 1], [2, 3], [4, 5], [6, 7]]'
   assert result.stdout.splitlines() == [
       'tokens [[0, 100], [200, 300], [400, 500], [600, 700]] [5]', f'labels {quarters} []',

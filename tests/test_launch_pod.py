@@ -19,8 +19,8 @@ import uuid
 
 import pytest
 
-from conftest import (REPO, assert_nothing_left, assert_same_training, run_processes, run_script,
-                      seeded_random, wait_for)
+from conftest import (REPO, assert_nothing_left, assert_same_training, both, run_processes,
+                      run_script, seeded_random, wait_for)
 
 import launch_pod
 
@@ -340,7 +340,7 @@ def test_restarts_survive_a_preemption_and_a_lost_host_and_end_as_an_uninterrupt
            '--batch_size', '4', '--test_set_batch_size', '4', '--num_epochs', '2', '--num_steps',
            '30', '--log_steps', '1', '--num_workers', '0', '--seed', str(rng.randint(0, 99))]
   reference = run_script(*train, '--ckpt_dir', tmp_path / 'reference', timeout=300)
-  assert reference.returncode == 0, reference.stderr[-3000:]
+  assert reference.returncode == 0, both(reference)
   # Two hosts of their own (network namespaces, the same disk: a folder each, by the
   # {worker} placeholder); ssh gives up on a silent host after 2 to 3 s.
   process = start(sshd, '--ssh_option=ServerAliveInterval=1', '--ssh_option=ServerAliveCountMax=2',

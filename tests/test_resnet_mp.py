@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import (REPO, assert_one_error, assert_same_training, finish, losses, read_json,
+from conftest import (REPO, assert_one_error, assert_same_training, both, finish, losses, read_json,
                       readme_command_flags, run_and_signal, run_script, script_env, seeded_random,
                       start_script, training_losses, write_image)
 
@@ -22,7 +22,7 @@ SCRIPT = 'train_resnet_mp.py'
 def test_readme_quick_start_spawns_trains_and_reports(tmp_path):
   flags = readme_command_flags()
   result = run_script(SCRIPT, *flags, '--results_json', tmp_path / 'r.json')
-  assert result.returncode == 0, result.stderr
+  assert result.returncode == 0, both(result)
   out = result.stdout
   num_steps = int(flags[flags.index('--num_steps') + 1])
   batch_size = int(flags[flags.index('--batch_size') + 1])
@@ -53,7 +53,7 @@ def test_learns_with_warmup_and_decay_then_a_diverged_run_goes_on_as_its_line_sa
           '--persistent_workers', '--log_steps', 5, '--ckpt_dir', ckpt_dir]
   result = run_script(SCRIPT, *args, '--num_epochs', 3, '--lr', 0.03,
                       '--results_json', tmp_path / 'r.json')
-  assert result.returncode == 0, result.stderr
+  assert result.returncode == 0, both(result)
   # Its first lines, before the slow part: what it trains, then that replicas started. 64
   # loader workers are lowered to the CPUs it may use, before torch would warn.
   cpus = len(os.sched_getaffinity(0))
@@ -94,7 +94,7 @@ def test_learns_with_warmup_and_decay_then_a_diverged_run_goes_on_as_its_line_sa
   assert not (ckpt_dir / 'ckpt-00000049.pt').exists() and saved.exists()  # Nothing saved.
   # Doing what it says: the lower --lr applies (scaled where the schedule is), and it learns.
   lower = run_script(SCRIPT, *args, '--num_epochs', 4, '--lr', 0.003)
-  assert lower.returncode == 0, lower.stderr
+  assert lower.returncode == 0, both(lower)
   assert re.search(rf'^Resumed from {re.escape(str(saved))} at epoch 4 step 0, with --lr 0\.003 '
                    r"\(the checkpoint's run had 0\.03\)$", lower.stdout, re.M), lower.stdout
   assert re.search(r'^Epoch 4 test end \d\d:\d\d:\d\d, Accuracy=95\.24$', lower.stdout, re.M)
@@ -109,7 +109,7 @@ def test_runs_in_one_process(tmp_path):
   flags = TINY_RUN + ['--num_steps', 3, '--results_json', tmp_path / 'r.json']
   result = run_script(SCRIPT, '--num_cores', 1, '--metrics_debug', *flags)
   assert re.search(r'^Metric: CompileTime$', result.stdout, re.M)  # torch_xla's report
-  assert result.returncode == 0, result.stderr
+  assert result.returncode == 0, both(result)
   assert len(losses(result.stdout)) == 3
   assert read_json(tmp_path / 'r.json')['train_steps'] == 3
 
@@ -135,7 +135,7 @@ def test_profile_serves_traces_with_named_steps(tmp_path):
   finally:
     os.killpg(run.pid, signal.SIGKILL)
     run.wait()
-  assert capture.returncode == 0, capture.stderr[-2000:]
+  assert capture.returncode == 0, both(capture)
   traces = list(tmp_path.glob('trace/plugins/profile/*/*.xplane.pb'))
   assert len(traces) == 1 and b'train_step' in traces[0].read_bytes()
 

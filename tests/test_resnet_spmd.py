@@ -10,10 +10,10 @@ import sys
 import numpy as np
 import torch
 
-from conftest import (REPO, assert_one_error, assert_same_training, finish, index_chunks,
-                      limit_file_size, make_image_folder, newest_checkpoint, read_checkpoint, read_json,
-                      run_and_signal, run_script, script_env, seeded_random, start_script,
-                      training_losses, write_image)
+from conftest import (REPO, assert_one_error, assert_same_training, both, finish, index_chunks,
+                      limit_file_size, make_image_folder, newest_checkpoint, read_checkpoint,
+                      read_json, run_and_signal, run_script, script_env, seeded_random,
+                      start_script, training_losses, write_image)
 
 SCRIPT = 'train_resnet_spmd.py'
 FOUR = script_env(CPU_NUM_DEVICES='4')
@@ -30,7 +30,7 @@ def test_four_devices_learn_count_every_image_once_and_compile_only_in_epoch_1(t
                       '--batch_size', 4, '--test_set_batch_size', 2, '--num_epochs', 3,
                       '--lr', 0.005, '--num_workers', 2, '--log_steps', 4,
                       '--results_json', tmp_path / 'r.json', env=FOUR)
-  assert result.returncode == 0, result.stderr[-3000:]
+  assert result.returncode == 0, both(result)
   results = read_json(tmp_path / 'r.json')
   assert results['world_size'] == 4 and results['spmd']
   assert (results['eval_correct'], results['eval_samples']) == (20, 21), result.stdout

@@ -3,6 +3,8 @@
 SIGTERM, its progress in a log, the training command it prints, run as printed, and a crafted
 CIFAR-10 batch file, refused before any of its code runs."""
 
+import codecs
+import functools
 import os
 import pickle
 import re
@@ -15,7 +17,7 @@ import pytest
 
 import make_cifar_shards
 import utils
-from conftest import (assert_one_error, finish, make_cifar_python, read_json, run_script,
+from conftest import (assert_one_error, both, finish, make_cifar_python, read_json, run_script,
                       start_script, wait_for)
 
 PROGRESS = re.compile(r'^([\d,]+) of ([\d,]+) samples written \((\d+)%\), [\d,]+ samples/s, '
@@ -46,7 +48,7 @@ def test_prefix_holding_another_runs_shards_is_refused_or_overwritten(small_cifa
                    r'to remove the shards and classes file of .* first, or another --output$')
   assert 'Writing' not in refused.stdout and contents(out) == before  # Checked before writing.
   result = run_script('make_cifar_shards.py', *args, '--overwrite')
-  assert result.returncode == 0, result.stderr
+  assert result.returncode == 0, both(result)
   assert result.stdout.startswith(f'Removed 14 files of an earlier run from {out / "c"}-*\n')
   after = contents(out)
   assert sorted(after) == ['c-10-train-000000.tar', 'c-classes.txt', 'c-test-000000.tar',
@@ -88,7 +90,7 @@ def test_sigterm_stops_the_writer_as_ctrl_c_does_and_the_same_command_finishes(t
     with tarfile.open(path) as tar:
       assert len(tar.getmembers()) == 100, path
   result = run_script('make_cifar_shards.py', *args)  # As the line says: not refused.
-  assert result.returncode == 0, result.stderr
+  assert result.returncode == 0, both(result)
   assert len(list((tmp_path / 'out').glob('c-train-*.tar'))) == 1000
 
 
@@ -96,7 +98,7 @@ def test_progress_in_a_log_is_plain_lines_and_the_last_lines_stay(small_cifar, t
   out = tmp_path / 'out' / 'c'
   result = run_script('make_cifar_shards.py', '--cifar_dir', small_cifar, '--output', out,
                       '--samples_per_shard', 10)  # To a pipe, as a log or a pod's output.
-  assert result.returncode == 0, result.stderr
+  assert result.returncode == 0, both(result)
   assert '\r' not in result.stderr
   lines = [PROGRESS.match(line) for line in result.stderr.splitlines()]
   assert all(lines), result.stderr
@@ -120,7 +122,7 @@ def test_progress_in_a_log_is_plain_lines_and_the_last_lines_stay(small_cifar, t
 def test_printed_command_trains_on_a_small_set_as_printed(small_cifar, tmp_path):
   result = run_script('make_cifar_shards.py', '--cifar_dir', small_cifar, '--output',
                       tmp_path / 'out' / 'c', '--results_json', tmp_path / 'flags.json')
-  assert result.returncode == 0, result.stderr
+  assert result.returncode == 0, both(result)
   assert 'Wrote 120 training samples in 1 shard and 10 test samples in 1 shard. Train with:' in (
       result.stdout), result.stdout
   command = shlex.split(re.search(r'^  (python train_wds_cifar\.py .*)$', result.stdout,
@@ -163,3 +165,21 @@ def test_a_crafted_cifar_batch_is_refused_before_any_of_its_code_runs(small_cifa
                       r'loading it could run code; download the python release again',
                       str(refused.value)), refused.value
   assert not planted.exists()
+  # Bytes encoded as hex in hex in hex ... (each level doubles them; 754 bytes of such a pickle
+  # made 256 MiB): refused at the first, as any codec but latin1, the one of pickled bytes.
+  with open(cifar / 'data_batch_3', 'wb') as f:
+    pickle.dump({b'data': functools.reduce(lambda inner, _: Hex(inner), range(20), b'\x00'),
+                 b'labels': [0]}, f, protocol=2)
+  with pytest.raises(utils.UsageError, match=r"\(it encodes bytes as 'hex', which no CIFAR-10 "
+                     r'batch does\): refused unread'):
+    make_cifar_shards.read_cifar_python(str(cifar))
+
+
+class Hex:
+  """Pickles as _codecs.encode(inner, 'hex')."""
+
+  def __init__(self, inner):
+    self.inner = inner
+
+  def __reduce__(self):
+    return codecs.encode, (self.inner, 'hex')

@@ -10,7 +10,7 @@ import pytest
 import torch
 from PIL import Image
 
-from conftest import (REPO, assert_one_error, losses, make_image_folder, read_json,
+from conftest import (REPO, assert_one_error, both, losses, make_image_folder, read_json,
                       readme_command_flags, run_script, script_env, tensorboard_scalars,
                       training_losses, write_image)
 
@@ -44,7 +44,7 @@ def test_readme_quick_start_flags_train_and_report(tmp_path):
   result = run_script(SCRIPT, *flags, '--results_json', tmp_path / 'r.json',
                       '--logdir', tmp_path / 'tb',
                       env=hlo_dump_env(tmp_path))
-  assert result.returncode == 0, result.stderr
+  assert result.returncode == 0, both(result)
   out = result.stdout
   assert 'Epoch 1 train begin' in out and 'Epoch 1 train end' in out
   # No optimiser flag given: the line says so.
@@ -73,7 +73,7 @@ def test_bf16_flag_trains_in_bf16(tmp_path):
            '--test_set_batch_size', 16, '--num_epochs', 1, '--num_steps', 12, '--log_steps', 1,
            '--bf16', '--results_json', tmp_path / 'r.json']
   result = run_script(SCRIPT, *flags, env=env)
-  assert result.returncode == 0, result.stderr
+  assert result.returncode == 0, both(result)
   assert convolution_types(tmp_path) == {'bf16'}
   assert read_json(tmp_path / 'r.json')['bf16']
   trace = losses(result.stdout)
@@ -87,7 +87,7 @@ def test_amp_flag_autocasts_the_convolutions_and_keeps_weights_and_state_in_floa
            '--test_set_batch_size', 16, '--num_epochs', 1, '--num_steps', 12, '--log_steps', 1,
            '--amp', '--ckpt_dir', tmp_path / 'ckpt', '--results_json', tmp_path / 'r.json']
   result = run_script(SCRIPT, *flags, env=hlo_dump_env(tmp_path))
-  assert result.returncode == 0, result.stderr
+  assert result.returncode == 0, both(result)
   assert convolution_types(tmp_path) == {'bf16'}
   results = read_json(tmp_path / 'r.json')
   assert results['amp'] and not results['bf16']
@@ -156,7 +156,7 @@ def test_a_loss_at_chance_level_all_epoch_names_the_lr_and_goes_on(tmp_path):
           8, '--test_set_batch_size', 8, '--num_epochs', 2, '--log_steps', 1, '--ckpt_dir',
           tmp_path / 'ckpt', '--ckpt_every_steps', 6]
   result = run_script(SCRIPT, *args, '--num_steps', 8)
-  assert result.returncode == 0, result.stderr  # A warning, not an end.
+  assert result.returncode == 0, both(result)  # A warning, not an end.
   warnings = re.findall(r'^warning: the loss stayed at chance level \(ln 4 = 1\.39\) through '
                         r'epoch (\d) at the default learning rate 0\.1: the model is not '
                         r'learning; try a lower --lr \(such as 0\.01\)', result.stderr, re.M)
@@ -169,10 +169,24 @@ def test_a_loss_at_chance_level_all_epoch_names_the_lr_and_goes_on(tmp_path):
   # none, so it says nothing of how the model learns (those steps were its checkpoint's run's).
   (tmp_path / 'ckpt' / 'ckpt-00000016.pt').unlink()
   result = run_script(SCRIPT, *args, '--num_steps', 3)
-  assert result.returncode == 0, result.stderr
+  assert result.returncode == 0, both(result)
   assert re.search(r'^warning: the run resumed after step 4 of an epoch that has 3 steps now: it '
                    r'trains none of them; the epoch ends here$', result.stderr, re.M), result.stderr
   assert 'chance level' not in result.stderr and not training_losses(result.stdout), result.stderr
+
+
+def test_a_run_whose_last_step_runs_away_ends_as_diverged_naming_the_weight_decay(tmp_path):
+  # Its one step, the last, runs away: read as the epoch ends, though nothing is saved (it
+  # ended with Accuracy=0.00 and exit code 0). At lr x weight decay of 1 or more each step
+  # scales the weights by 0 or less: the line names --weight_decay, not the --lr it did not set.
+  result = run_script(SCRIPT, '--fake_data', '--model', 'resnet18', '--img_dim', 16,
+                      '--batch_size', 2, '--test_set_batch_size', 2, '--num_steps', 1,
+                      '--num_epochs', 1, '--weight_decay', '1e30', '--results_json',
+                      tmp_path / 'r.json')
+  assert_one_error(result, 22, r'^error: the weights (reached \S+|became NaN or infinite) at '
+                   r'epoch 1 step 0.*: training diverged; lower --weight_decay \(it is 1e\+30\) '
+                   r'and run again \(exit code 22\)$')
+  assert 'epoch 1 step 0' in read_json(tmp_path / 'r.json')['diverged']
 
 
 def test_corrupt_image_names_the_file_in_the_last_line(tmp_path):

@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 
-from conftest import REPO, assert_same_training, read_json, script_env
+from conftest import (REPO, assert_same_training, both, read_json, script_env)
 from test_copy import small_cnn_project
 
 # The steps' losses of a batch of 8 and of two accumulated batches of 4 differ by float rounding
@@ -144,7 +144,7 @@ def test_every_upstream_flag_of_the_table_is_this_scripts_or_one_line_naming_wha
     done = subprocess.run([sys.executable, '-c', PARSE_EACH, script, flag, '2', '--fake_data'],
                           input=given, cwd=REPO, env=script_env(), capture_output=True, text=True,
                           timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, both(done)
     said = dict(line.split(' => ', 1) for line in done.stdout.splitlines() if ' => ' in line)
     command = said.pop('command')
     if not command.startswith(f'2 error: {flag}: {line}') or ' | ' in command:

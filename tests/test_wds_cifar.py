@@ -36,10 +36,11 @@ import supervisor
 import train_wds_cifar
 import train_wds_cifar as wds_cifar
 import utils
-from conftest import (COLOURS, REPO, assert_nothing_left, assert_one_error, assert_same_training,
-                      closed_port, crafted_jpeg, finish, make_cifar_python, make_image_folder,
-                      oversized_image, read_json, run_and_signal, run_script, script_env, seeded_random,
-                      SlowLink, start_script, training_losses, wait_for, write_image)
+from conftest import (COLOURS, REPO, SlowLink, assert_nothing_left, assert_one_error,
+                      assert_same_training, both, closed_port, crafted_jpeg, finish,
+                      make_cifar_python, make_image_folder, oversized_image, read_json,
+                      run_and_signal, run_script, script_env, seeded_random, start_script,
+                      training_losses, wait_for, write_image)
 
 
 @pytest.fixture(scope='module')
@@ -49,7 +50,7 @@ def shards(tmp_path_factory):
   make_cifar_python(root / 'cifar-10-batches-py', per_batch=96, test_count=200)
   result = run_script('make_cifar_shards.py', '--cifar_dir', root / 'cifar-10-batches-py',
                       '--output', root / 'shards' / 'cifar', '--samples_per_shard', 50)
-  assert result.returncode == 0, result.stderr
+  assert result.returncode == 0, both(result)
   return root
 
 
@@ -78,7 +79,7 @@ def png_shards(shards):
   result = run_script('make_cifar_shards.py', '--cifar_dir', shards / 'cifar-10-batches-py',
                       '--output', shards / 'shards' / 'png' / 'cifar', '--samples_per_shard', 50,
                       '--format', 'png')
-  assert result.returncode == 0, result.stderr
+  assert result.returncode == 0, both(result)
   return shards / 'shards' / 'png'
 
 
@@ -154,7 +155,7 @@ def test_writer_keeps_an_image_folders_files_as_they_are(tmp_path):
   result = run_script('make_cifar_shards.py', '--image_folder', tmp_path / 'img', '--output',
                       tmp_path / 'out' / 'c', '--samples_per_shard', 32, '--shuffle_seed', 7,
                       '--results_json', tmp_path / 'flags.json')
-  assert result.returncode == 0, result.stderr
+  assert result.returncode == 0, both(result)
   assert re.search(r'^Writing 122 training samples shuffled with --shuffle_seed 7 and 20 val '
                    r'samples, original images', result.stdout, re.M), result.stdout
   assert 'Classes (4, in ' in result.stdout and ': blue green red yellow\n' in result.stdout
@@ -214,7 +215,7 @@ def test_writer_stopped_by_ctrl_c_leaves_only_whole_shards(tmp_path):
   counter = train_wds_cifar.BadData(strict=True)  # Each is whole: read to its end, none bad.
   assert len(list(samples_of(map(str, written), counter, 10))) == 50 * len(written)
   result = run_script('make_cifar_shards.py', *args)  # As the line says.
-  assert result.returncode == 0, result.stderr
+  assert result.returncode == 0, both(result)
   assert len(list((tmp_path / 'out').glob('c-train-*.tar'))) == 2000
 
 
@@ -223,7 +224,7 @@ def test_shards_written_to_a_bucket_are_read_back_from_it(bucket, tmp_path, monk
   make_image_folder(tmp_path / 'img', 'val', 2, size=40)
   result = run_script('make_cifar_shards.py', '--image_folder', tmp_path / 'img', '--output',
                       'gs://data/photos/photos', '--samples_per_shard', 8, env=script_env(**bucket))
-  assert result.returncode == 0, result.stderr
+  assert result.returncode == 0, both(result)
   assert '--wds_traindir "gs://data/photos/photos-train-{000000..000002}.tar"' in result.stdout
   # Read back as a replica reads, through gcsfs: the files' very bytes, the classes.
   for name, value in bucket.items():
@@ -950,7 +951,7 @@ def photo_shards(tmp_path_factory):
   result = run_script('make_cifar_shards.py', '--image_folder', root / 'data', '--output',
                       root / 'shards' / 'photos', '--samples_per_shard', 16, '--results_json',
                       root / 'flags.json')
-  assert result.returncode == 0, result.stderr
+  assert result.returncode == 0, both(result)
   return root / 'shards', read_json(root / 'flags.json')
 
 
@@ -1003,7 +1004,7 @@ def test_trains_on_the_tutorials_shards_over_http_to_high_accuracy(http_shards, 
       '--testsize', 200, '--batch_size', 16, '--test_set_batch_size', 64, '--num_epochs', 1,
       '--lr', 0.01, '--num_workers', 2, '--shuffle_buffer', 100, '--log_steps', 10,
       '--ckpt_dir', tmp_path / 'ckpt', '--results_json', tmp_path / 'r.json')
-  assert result.returncode == 0, result.stderr[-3000:]
+  assert result.returncode == 0, both(result)
   # What it trains on, said first, as the image-folder scripts say it: 10 classes by default,
   # where the colours are 4.
   assert re.search(r'^Data: 480 training samples in 10 shards and 200 evaluation samples in 4, '
