@@ -1164,16 +1164,17 @@ class StopVote:
 
 def say_diverged(error, flag_values):
   """Says why the run diverged (StopVote's error) and the way out, after every replica's step
-  lines (add_totals printed them): a lower --lr (--weight_decay, where lr x weight decay is 1
-  or more), from the last checkpoint (docs/checkpoints.md#a-run-that-diverges). Returns the
+  lines (add_totals printed them): a lower --lr (--weight_decay, where it is 1 or more and lr x
+  weight decay too), from the last checkpoint (docs/checkpoints.md#a-run-that-diverges). Returns the
   exit code, 22."""
   if xr.world_size() > 1:
     xm.rendezvous('diverged')  # Every replica's step lines before the error.
   resume_from = flag_values.get('resume') or (flag_values.get('ckpt_dir') and max(
       list_checkpoints(flag_values['ckpt_dir']).items(), default=(0, None))[1])
   lr, decay = flag_values['lr'], flag_values.get('weight_decay') or 0.0
-  # SGD and AdamW scale the weights by 1 - lr x weight decay a step: at 0 or below, it ran away.
-  flag, value = ('--weight_decay', decay) if lr * decay >= 1 else ('--lr', lr)
+  # SGD and AdamW scale the weights by 1 - lr x weight decay a step: at 0 or below they run away.
+  # A decay of 1 or more is far past any recipe's (1e-4 to 0.1): then it did, not the --lr.
+  flag, value = ('--weight_decay', decay) if decay >= 1 and lr * decay >= 1 else ('--lr', lr)
   lower = f'lower {flag} (it is {value:g}) and run again'
   xm.master_print(f'error: {error}: training diverged; ' + (
       f'{lower}: the same command resumes from {resume_from} with the new {flag} (no checkpoint '

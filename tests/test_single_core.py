@@ -177,8 +177,9 @@ def test_a_loss_at_chance_level_all_epoch_names_the_lr_and_goes_on(tmp_path):
 
 def test_a_run_whose_last_step_runs_away_ends_as_diverged_naming_the_weight_decay(tmp_path):
   # Its one step, the last, runs away: read as the epoch ends, though nothing is saved (it
-  # ended with Accuracy=0.00 and exit code 0). At lr x weight decay of 1 or more each step
-  # scales the weights by 0 or less: the line names --weight_decay, not the --lr it did not set.
+  # ended with Accuracy=0.00 and exit code 0). A weight decay of 1e30 scales the weights by 0 or
+  # less each step: the line names --weight_decay, not the --lr it did not set. (A run of --lr
+  # 1e6 at the default decay is named by its --lr: tests/test_resnet_mp.py.)
   result = run_script(SCRIPT, '--fake_data', '--model', 'resnet18', '--img_dim', 16,
                       '--batch_size', 2, '--test_set_batch_size', 2, '--num_steps', 1,
                       '--num_epochs', 1, '--weight_decay', '1e30', '--results_json',
