@@ -717,9 +717,7 @@ def read_sharded(state, model, optimizer):
     if not missing:
       dcp.load(tensors, storage_reader=reader, planner=SPMDLoadPlanner(),
                no_dist=not torch.distributed.is_initialized())
-  except utils.UsageError:
-    raise
-  except BaseException as e:
+  except BaseException as e:  # (shards_error gives back our own UsageError as it is.)
     raise shards_error(e, f'cannot read checkpoint {folder}', 'nothing was changed; make it '
                        'readable, or move it out of --ckpt_dir to resume from the one before'
                        ) from None

@@ -1164,9 +1164,9 @@ class StopVote:
 
 def say_diverged(error, flag_values):
   """Says why the run diverged (StopVote's error) and the way out, after every replica's step
-  lines (add_totals printed them): a lower --lr (--weight_decay, where it is 1 or more and lr x
-  weight decay too), from the last checkpoint (docs/checkpoints.md#a-run-that-diverges). Returns the
-  exit code, 22."""
+  lines (add_totals printed them): a lower --lr (--weight_decay, where it is 1 or more and lr
+  x weight decay too), from the last checkpoint (docs/checkpoints.md#a-run-that-diverges).
+  Returns the exit code, 22."""
   if xr.world_size() > 1:
     xm.rendezvous('diverged')  # Every replica's step lines before the error.
   resume_from = flag_values.get('resume') or (flag_values.get('ckpt_dir') and max(
