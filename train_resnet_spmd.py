@@ -261,7 +261,8 @@ def load_data(cfg, host, hosts, local_devices):
   workers = dict(num_workers=cfg.num_workers, worker_init_fn=utils.ignore_stop_signals,
                  collate_fn=as_dict)
   if cfg.num_workers:  # torch 2.9 raises on these without workers.
-    workers.update(persistent_workers=cfg.persistent_workers, prefetch_factor=cfg.prefetch_factor)
+    workers.update(persistent_workers=cfg.persistent_workers, prefetch_factor=cfg.prefetch_factor,
+                   multiprocessing_context=utils.loader_start())
   train_loader = torch.utils.data.DataLoader(utils.SeededSamples(train_set), batch_size,
                                              sampler=sampler, drop_last=cfg.drop_last, **workers)
   if len(train_loader) == 0:

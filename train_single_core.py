@@ -172,7 +172,8 @@ def load_data(cfg, rank, world_size):
   sampler = utils.EpochSampler(train_set, rank, world_size, cfg.seed, cfg.batch_size)
   workers = dict(num_workers=cfg.num_workers, worker_init_fn=utils.ignore_stop_signals)
   if cfg.num_workers:  # torch 2.9 raises on these without workers.
-    workers.update(persistent_workers=cfg.persistent_workers, prefetch_factor=cfg.prefetch_factor)
+    workers.update(persistent_workers=cfg.persistent_workers, prefetch_factor=cfg.prefetch_factor,
+                   multiprocessing_context=utils.loader_start())
   # Every replica's share has the same length, so every replica has the same batches.
   train_loader = torch.utils.data.DataLoader(utils.SeededSamples(train_set), cfg.batch_size,
                                              sampler=sampler, drop_last=cfg.drop_last, **workers)

@@ -550,7 +550,8 @@ def load_data(cfg, rank, world_size):
   def loader(dataset, workers):
     options = dict(num_workers=workers, worker_init_fn=utils.ignore_stop_signals)
     if workers:  # torch 2.9 raises on these without workers.
-      options.update(persistent_workers=True, prefetch_factor=cfg.prefetch_factor)
+      options.update(persistent_workers=True, prefetch_factor=cfg.prefetch_factor,
+                     multiprocessing_context=utils.loader_start())
     return torch.utils.data.DataLoader(dataset, batch_size=None, **options)
 
   # Test shards are fewer: a worker for each of this replica's, up to --num_workers.

@@ -16,6 +16,7 @@ import itertools
 import json
 import math
 import multiprocessing
+import multiprocessing.connection
 import multiprocessing.resource_tracker
 import os
 import pickle
@@ -85,16 +86,27 @@ class BucketTimeout(UsageError):
             'network, then run the same command again')
 
 
+class LoaderWorkerDied(Exception):
+  """A DataLoader worker that died: one `error:` line; exit code 128 + N for signal N (as for a
+  replica), or 2 for an exit code of its own (its lines above say why)."""
+
+  def __init__(self, message, exit_code):
+    super().__init__(message)
+    self.exit_code = exit_code
+
+
 class Diverged(Exception):
   """The loss or the weights ran away at the step this names (every replica agrees on it)."""
 
 
-# Said in one `error:` line (exit code 2), not a traceback: a user's mistake, bad data, an OSError.
-SAID = (UsageError, BadDataError, OSError)
+# Said in one `error:` line (exit code 2, or the error's exit_code), not a traceback: a user's
+# mistake, bad data, an OSError, a loader worker that died.
+SAID = (UsageError, BadDataError, OSError, LoaderWorkerDied)
 
 
 def die(message, code=2):
   """Ends this process with one `error:` line, the last it prints (see last_line)."""
+  code = getattr(message, 'exit_code', code)
   last_line()
   print(f'error: {message}', file=sys.stderr, flush=True)
   sys.exit(code)
@@ -405,6 +417,7 @@ class EpochLoader:
 
   def __init__(self, loader, steps, order=None, per_step=1):
     self.loader, self.order, self.first_step, self.error = loader, order, 0, None
+    self.epoch = None  # The training epoch (set_epoch), named if a loader worker dies.
     try:
       self.steps = min(len(loader) // per_step, steps)
     except TypeError:  # An iterable dataset has no length: the cap is the epoch.
@@ -418,10 +431,10 @@ class EpochLoader:
     """first_step: in steps, of per_step batches each."""
     if self.order is not None:
       self.order.set_epoch(epoch, first_step * self.per_step)
-    self.first_step = first_step * self.per_step
+    self.first_step, self.epoch = first_step * self.per_step, epoch
 
   def __iter__(self):
-    self.error = None
+    self.error = iterator = None
     if self.first_step >= self.num_batches:
       if self.first_step > self.num_batches:  # A resume after a flag that decides them changed.
         xm.master_print(f'warning: the run resumed after step {self.first_step // self.per_step} '
@@ -429,14 +442,56 @@ class EpochLoader:
                         'trains none of them; the epoch ends here', fd=sys.stderr, flush=True)
       return  # Without starting loader workers for nothing.
     try:  # islice: no batch past the cap is asked for (or read, or counted).
-      batches = (batch for batch in self.loader if batch is not None)
+      iterator = self.start()
+      batches = (batch for batch in iterator if batch is not None)
       yield from itertools.islice(batches, self.num_batches - self.first_step)
     except Exception as e:
-      self.error = e
+      said = isinstance(e, (UsageError, BadDataError))  # A worker's own, sent back whole.
+      self.error = (not said and self.worker_death(iterator)) or e
       if 'stack expects each tensor to be equal size' in str(e):  # default_collate's words
         detail = str(e).strip().splitlines()[-1]  # From a loader worker: its traceback too.
         self.error = BadDataError(f'samples of different shapes in one batch ({detail}): make '
                                   "every sample one shape (in build_datasets' transform)")
+
+  def start(self):
+    """iter(loader), with the stop signals blocked in this thread while it starts loader workers:
+    a worker imports the script, torch and torch_xla for seconds, and until it ignores them
+    (ignore_stop_signals) a stop signal would kill it and so the run. A worker inherits the mask
+    (so does the fork server of loader_start, started here, which keeps it); a signal sent
+    meanwhile waits, and is dropped once the worker ignores it."""
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+      return iter(self.loader)
+    finally:
+      signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+
+  def worker_death(self, iterator):
+    """LoaderWorkerDied for the first of the iterator's loader workers that died, or None. torch
+    says only 'DataLoader worker (pid(s) N) exited unexpectedly' where its SIGCHLD handler is not
+    installed (the loader iterated in a thread other than the main one: MpDeviceLoader's), and
+    a batch cut off by the death may come first as another error (a connection reset by the
+    worker that held its memory): a death is waited for 2 s."""
+    workers = getattr(iterator, '_workers', None)
+    if not workers:
+      return None
+    multiprocessing.connection.wait([process.sentinel for process in workers], timeout=2)
+    for worker_id, process in enumerate(workers):
+      code = process.exitcode  # -N for signal N; None while it runs.
+      if code in (None, 0):
+        continue
+      seen = f'seen in epoch {self.epoch}' if self.epoch else 'seen in an evaluation'
+      head = f'loader worker {worker_id} (pid {process.pid})'
+      fewer = f'give fewer --num_workers ({self.loader.num_workers} now; 0 loads in this process)'
+      here = '--num_workers 0 loads in this process, where the same fault is a traceback'
+      if code > 0:
+        return LoaderWorkerDied(f'{head} exited with code {code} ({seen}): its lines above say '
+                                f'why; {here}', 2)
+      name = signal.Signals(-code).name
+      why = {signal.SIGKILL: f'the host may be out of memory (see dmesg); {fewer}',
+             signal.SIGBUS: f'shared memory is full (df -h /dev/shm): free it, or {fewer}'}
+      return LoaderWorkerDied(f'{head} was killed by {name} ({seen}): ' + why.get(
+          -code, f'its lines above may say why; {here}'), 128 - code)
+    return None
 
   def check(self):
     if self.error is not None:
@@ -464,10 +519,25 @@ def warmup_step_decay(step, steps_per_epoch, warmup_epochs, divide_every_n_epoch
   return 1.0 / divisor**(step // steps_per_epoch // divide_every_n_epochs)
 
 
+def loader_start():
+  """The DataLoader's multiprocessing_context for its workers: in a spawned replica
+  (train_resnet_mp.py, train_wds_cifar.py), a fork server that has imported the script, torch
+  and torch_xla once, and forks each worker from them; a spawned worker imports them itself
+  (here 3.5 s and 411 MB of its own memory each, against 109 MB: benchmarks/input_pipeline.py).
+  Elsewhere None: fork, which takes milliseconds (the scripts' process was not spawned)."""
+  if multiprocessing.get_start_method(allow_none=True) != 'spawn':
+    return None
+  context = multiprocessing.get_context('forkserver')
+  context.set_forkserver_preload(['__main__', 'torch', 'torch_xla'])
+  return context
+
+
 def ignore_stop_signals(worker_id=None):
-  """DataLoader worker_init_fn: workers serve on after a stop signal, so the run can save."""
+  """DataLoader worker_init_fn: workers serve on after a stop signal, so the run can save. They
+  start with the stop signals blocked (EpochLoader.start): unblocked here, once ignored."""
   for signum in STOP_SIGNALS:
     signal.signal(signum, signal.SIG_IGN)
+  signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
 
 
 # ----------------------------------------------------------------- the log and results
@@ -1044,9 +1114,12 @@ def replica_ended(ended):
   """(exit code, line or None: the replica said why) of a run whose replicas ended thus, [(pid,
   exit code: -N for signal N)]: first one that said why in its `error:` line, last those the
   broken pool ended with SIGTERM (replicas still importing have no handler for it yet)."""
-  pid, code = min(ended, key=lambda ended: (ended[1] != 2, ended[1] == -signal.SIGTERM))
-  if code == 2:
-    return 2, None
+  def said(code):  # 2, or 128 + N: its loader worker died of signal N.
+    return code == 2 or code > 128
+
+  pid, code = min(ended, key=lambda ended: (not said(ended[1]), ended[1] == -signal.SIGTERM))
+  if said(code):
+    return code, None
   if stop_signal():  # During a stop: one still importing dies of the signal, say.
     name, stop_code = record_stop({}, stop_signal(), 0)
     return stop_code, (f'Stopped by {name}: replica process {pid} ended before it saved anything; '
@@ -1221,9 +1294,10 @@ def replica_failed(error):
   end_loader_workers()
   sys.stdout.flush()
   sys.stderr.flush()
+  code = getattr(error, 'exit_code', 2) if said else 1
   if xr.world_size() == 1 and os.environ.get('PJRT_LOCAL_PROCESS_COUNT') == '1':
-    sys.exit(2 if said else 1)  # torch_xla.launch's own process count: no other waits for it.
-  os._exit(2 if said else 1)
+    sys.exit(code)  # torch_xla.launch's own process count: no other waits for it.
+  os._exit(code)
 
 
 def end_loader_workers():

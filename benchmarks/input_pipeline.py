@@ -34,12 +34,20 @@ ShardWriter and PIL images). Prints markdown tables, a row as soon as it is meas
 
 --batch_size (128) is train_wds_cifar.py's flag, and also the photos' batch (the
 image-folder scripts' default).
+
+Loader workers (issue 68): what starting a replica's loader workers costs, seconds to the
+first batch and to a batch from each, and each worker's memory (its private pages, and its
+proportional share of what it shares), in a process that imported train_resnet_mp.py as a
+replica does. A replica spawns them (the start method it was spawned with): each imports the
+script, torch and torch_xla again. Against fork (train_single_core.py and train_resnet_spmd.py,
+whose process was not spawned) and forkserver with the script preloaded.
 """
 
 import functools
 import http.server
 import io
 import itertools
+import json
 import multiprocessing
 import os
 import pathlib
@@ -47,6 +55,7 @@ import platform
 import random
 import re
 import socket
+import subprocess
 import sys
 import tempfile
 import time
@@ -569,8 +578,69 @@ def source_table(count, passes, limit):
   print()
 
 
+# One run of a replica's loader workers, in a process of its own: it imports the training
+# script as a replica does, and sets it as its main module (a spawned worker imports it again
+# as __mp_main__). Prints a JSON line.
+WORKERS_CHILD = r"""
+import json, os, sys, time
+sys.path.insert(0, sys.argv[1])
+import train_resnet_mp
+import multiprocessing, torch, utils
+sys.modules['__main__'].__file__ = train_resnet_mp.__file__
+method, workers = sys.argv[2], int(sys.argv[3])
+context = multiprocessing.get_context(method)
+if method == 'forkserver':
+  context.set_forkserver_preload(['__main__', 'torch', 'torch_xla', 'utils'])
+loader = torch.utils.data.DataLoader(
+    torch.utils.data.TensorDataset(torch.zeros(4 * workers, 3, 8, 8)), batch_size=1,
+    num_workers=workers, multiprocessing_context=context, worker_init_fn=utils.ignore_stop_signals,
+    persistent_workers=True)
+start = time.monotonic()
+iterator = iter(loader)
+next(iterator)
+first = time.monotonic() - start
+for _ in range(workers - 1):  # Batch i comes from worker i: each has started.
+  next(iterator)
+every = time.monotonic() - start
+memory = []
+for process in iterator._workers:
+  with open(f'/proc/{process.pid}/smaps_rollup') as f:
+    fields = {line.split(':')[0]: int(line.split()[1]) for line in f if line.endswith('kB\n')}
+  memory.append((fields['Private_Clean'] + fields['Private_Dirty'], fields['Pss'], fields['Rss']))
+print(json.dumps(dict(first=first, every=every, memory=memory)))
+utils.end_loader_workers()  # They ignore the SIGTERM that multiprocessing's exit would wait on.
+"""
+
+
+def worker_start_table(workers, repeats):
+  """Seconds to start a replica's loader workers and their memory, by start method."""
+  print(f"Starting {workers} loader workers in a replica's process (train_resnet_mp.py imported), "
+        f'mean of {repeats} runs, {MACHINE}')
+  print()
+  print('| start method | who starts them so | s to the first batch | s to one from each | '
+        'private MB a worker | PSS MB a worker | RSS MB a worker |')
+  print('| --- | --- | --- | --- | --- | --- | --- |')
+  who = {'spawn': "train_resnet_mp.py's and train_wds_cifar.py's replicas",
+         'fork': "train_single_core.py, train_resnet_spmd.py",
+         'forkserver': 'none (script, torch, torch_xla preloaded)'}
+  repo = str(pathlib.Path(__file__).resolve().parents[1])
+  for method in ('spawn', 'forkserver', 'fork'):
+    runs = []
+    for _ in range(repeats):
+      out = subprocess.run([sys.executable, '-c', WORKERS_CHILD, repo, method, str(workers)],
+                           check=True, capture_output=True, text=True).stdout
+      runs.append(json.loads(out.strip().splitlines()[-1]))
+    memory = np.array([run['memory'] for run in runs], dtype=float) / 1024  # MB
+    private, pss, rss = memory.reshape(-1, 3).mean(axis=0)
+    print(f"| {method} | {who[method]} | {np.mean([r['first'] for r in runs]):.1f} | "
+          f"{np.mean([r['every'] for r in runs]):.1f} | {private:,.0f} | {pss:,.0f} | {rss:,.0f} |",
+          flush=True)
+  print()
+
+
 def main(argv):
   del argv
+  worker_start_table(2, 1 if FLAGS.quick else 3)
   photo_table(*((2 * FLAGS.batch_size, 1) if FLAGS.quick else (8 * FLAGS.batch_size, 3)))
   source_table(*((FLAGS.batch_size, 1, 3) if FLAGS.quick else (8 * FLAGS.batch_size, 3, 20)))
   count = 1000 if FLAGS.quick else 10000

@@ -212,6 +212,37 @@ def run_processes(session=None, mark=None):
   return found
 
 
+def loader_processes(session, serving, replicas_spawned, timeout=300):
+  """Pids of the run's loader processes once there is one, polling /proc: the processes below
+  those that train (the session's leader, or its spawned replicas: replicas_spawned, as in
+  train_resnet_mp.py and train_wds_cifar.py), but multiprocessing's resource tracker. serving:
+  loader workers up and serving (they ignore SIGTERM: utils.ignore_stop_signals); else those
+  that do not ignore it: a worker still starting, or a replica's fork server (utils.loader_start),
+  which imports the script, torch and torch_xla for seconds before it forks a worker."""
+  deadline = time.monotonic() + timeout
+  while time.monotonic() < deadline:
+    status = {pid: _status(pid) for pid in run_processes(session=session)}
+    parent = {pid: int(fields.get('PPid', 0)) for pid, fields in status.items()}
+    trainers = ({pid for pid in status if parent[pid] == session and
+                 b'spawn_main' in _read_proc(pid, 'cmdline')} if replicas_spawned else {session})
+    below, todo = set(), set(trainers)
+    while todo:
+      todo = {pid for pid in status if parent[pid] in todo} - below
+      below |= todo
+    found = [pid for pid in below if b'resource_tracker' not in _read_proc(pid, 'cmdline') and
+             bool(int(status[pid].get('SigIgn', '0'), 16) >> (signal.SIGTERM - 1) & 1) == serving]
+    if found:
+      return found
+    time.sleep(0.01)
+  raise AssertionError(f'no loader process {"serving" if serving else "starting"} in {timeout} s')
+
+
+def _status(pid):
+  """/proc/PID/status as a dict ({} if the process is gone)."""
+  return dict(line.split(':\t', 1) for line in _read_proc(pid, 'status').decode().splitlines()
+              if ':\t' in line)
+
+
 def _read_proc(pid, part):
   """/proc/PID/part, or b'' if the process is gone or not ours to read."""
   try:

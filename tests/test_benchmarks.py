@@ -40,6 +40,11 @@ def test_benchmark_prints_its_tables_row_by_row():
   accumulated = re.findall(r'^\| ([\w ]+) \| [\d,.]+ \| ([\d,]+) MB \| (\d+) \|$', out, re.M)
   assert [name for name, _, _ in accumulated] == ['2 accumulated batches of 2'], out
   assert int(accumulated[0][1].replace(',', '')) > 100 and int(accumulated[0][2]) <= 7, out
+  # input_pipeline.py's loader start: a replica's workers by each start method (issue 68).
+  starts = re.findall(r'^\| (spawn|forkserver|fork) \| [^|]+ \| [\d.]+ \| [\d.]+ \| ([\d,]+) \| '
+                      r'[\d,]+ \| [\d,]+ \|$', out, re.M)
+  assert [method for method, _ in starts] == ['spawn', 'forkserver', 'fork'], out
+  assert all(int(private.replace(',', '')) > 0 for _, private in starts), out
   decoders = re.findall(r'^\| (\w+) \| [\d.]+ \| [\d,]+ \|$', out, re.M)
   assert decoders == ['rgb', 'ppm', 'png', 'jpg', 'webp', 'npy'], out
   # The photos: upstream's pipeline sends float32 batches, ours uint8 (a quarter).

@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from conftest import (REPO, TRAIN_LINE, assert_nothing_left, assert_one_error, both, crafted_jpeg,
-                      finish, limit_file_size, make_cifar_python, make_image_folder, run_processes,
-                      run_script, script_env, start_script, wait_for)
+                      finish, limit_file_size, loader_processes, make_cifar_python, make_image_folder,
+                      run_processes, run_script, script_env, start_script, wait_for)
 
 
 def replicas(session):
@@ -75,11 +75,16 @@ def start_and_wait_for_steps(script, args, steps):
   return process, wait_for(process, TRAIN_LINE, count=steps)
 
 
-def test_ctrl_c_stops_every_replica_after_a_step_saves_and_exits_130(data, tmp_path):
-  # train_single_core.py gets its Ctrl-C in tests/test_resume.py, and must then resume
-  # bitwise equal; train_wds_cifar.py shares this script's launcher and replica code.
+def test_ctrl_c_while_loader_workers_start_stops_after_a_step_saves_and_exits_130(data, tmp_path):
+  # train_single_core.py gets its Ctrl-C mid-epoch in tests/test_resume.py, and must then resume
+  # bitwise equal; train_wds_cifar.py shares this script's launcher and replica code. Here the
+  # Ctrl-C comes as the replica's loader starts: its fork server imports the script, torch and
+  # torch_xla for seconds, and its workers then ignore a stop only once up. It stops the run as
+  # any other, where it once killed them and the run saved nothing.
   script = 'train_resnet_mp.py'
-  process, so_far = start_and_wait_for_steps(script, command(data, tmp_path), 2)
+  process = start_script(script, *command(data, tmp_path))
+  so_far = wait_for(process, r'^Epoch 1 train begin ')
+  loader_processes(process.pid, serving=False, replicas_spawned=True)
   os.killpg(process.pid, signal.SIGINT)  # What a terminal sends on Ctrl-C.
   sent = time.monotonic()
   # Said at once, before the step and the save that the stop waits for.
@@ -102,6 +107,26 @@ def test_ctrl_c_stops_every_replica_after_a_step_saves_and_exits_130(data, tmp_p
   # A few steps after the signal: the stop is agreed at a step boundary (the vote of the
   # spawning scripts reads a sum two steps old), not at the end of the run.
   assert saved['global_step'] <= 2 + 4, out
+  assert_nothing_left(session=process.pid)
+
+
+def test_sighup_while_the_first_evaluations_loader_workers_start_saves_and_exits_75(data, tmp_path):
+  # A closed terminal's SIGHUP as the evaluation loader starts its workers (with persistent
+  # workers, the other start after epoch 1's; without them, every epoch's): forked from the
+  # replica's fork server, which must outlive the stop too.
+  process = start_script('train_resnet_mp.py', *command(data, tmp_path))
+  out = wait_for(process, r'^Epoch 1 train end ')
+  loader_processes(process.pid, serving=False, replicas_spawned=True)
+  os.killpg(process.pid, signal.SIGHUP)
+  code, rest = finish(process, timeout=300)
+  out += rest
+  assert code == 75, out
+  assert re.search(r'^Epoch 1 test end .*, Accuracy=', out, re.M), out  # Evaluated, then saved.
+  stopped = re.search(r'^Stopped by SIGHUP at epoch 2 step 0: saved (\S+); run the same command '
+                      r'to resume \(exit code 75\)$', out, re.M)
+  assert stopped and 'Traceback' not in out, out
+  saved = torch.load(stopped.group(1), weights_only=True)
+  assert (saved['epoch'], saved['step'], saved['global_step']) == (2, 0, 24), out
   assert_nothing_left(session=process.pid)
 
 
@@ -160,6 +185,23 @@ def test_sigterm_before_and_while_replicas_start_is_a_stop_not_a_traceback(data,
   assert code == 75, out
   assert 'Traceback' not in out and 'BrokenProcessPool' not in out, out
   assert re.search(r'^Stopped by SIGTERM\b.*\(exit code 75\)$', out, re.M), out
+  assert_nothing_left(session=process.pid)
+
+
+def test_a_loader_worker_killed_mid_run_is_one_line_that_names_it_and_exit_code_137(data, tmp_path):
+  # As the OOM killer ends one: torch's own error ("DataLoader worker (pid(s) N) exited
+  # unexpectedly", a traceback) never said how, nor what to do.
+  process, so_far = start_and_wait_for_steps('train_resnet_mp.py', command(data, tmp_path), 2)
+  pid = loader_processes(process.pid, serving=True, replicas_spawned=True)[0]
+  os.kill(pid, signal.SIGKILL)
+  code, rest = finish(process, timeout=300)
+  out = so_far + rest
+  assert code == 128 + signal.SIGKILL, out
+  # Seen when the replica next waits on it: in epoch 1, or 2 if its epoch-1 batches were queued.
+  assert re.fullmatch(rf'error: loader worker [01] \(pid {pid}\) was killed by SIGKILL \(seen in '
+                      r'epoch [12]\): the host may be out of memory \(see dmesg\); give fewer '
+                      r'--num_workers \(2 now; 0 loads in this process\)', out.strip().splitlines()[-1]), out
+  assert 'Traceback' not in out, out
   assert_nothing_left(session=process.pid)
 
 

@@ -37,7 +37,7 @@ import train_wds_cifar
 import train_wds_cifar as wds_cifar
 import utils
 from conftest import (COLOURS, REPO, SlowLink, assert_nothing_left, assert_one_error,
-                      assert_same_training, both, closed_port, crafted_jpeg, finish,
+                      assert_same_training, both, closed_port, crafted_jpeg, finish, loader_processes,
                       make_cifar_python, make_image_folder, oversized_image, read_json,
                       run_and_signal, run_script, script_env, seeded_random, start_script,
                       training_losses, wait_for, write_image)
@@ -1267,6 +1267,15 @@ def test_stopped_run_ends_bitwise_equal(photo_shards, tmp_path):
   code, out = run_and_signal('train_wds_cifar.py', run, stop_step, signal.SIGTERM, to='threads')
   assert code == 75, f'stopped after step {stop_step}\n{out}'
   assert re.search(r'^Stopped by SIGTERM at epoch \d step \d: saved ', out, re.M), out
+  # The resumed run, SIGTERM to its session while its loader workers import (they ignore it only
+  # once up): a stop as any other, saved, and the next run goes on from it.
+  process = start_script('train_wds_cifar.py', *run)
+  out = wait_for(process, r'^Resumed from ')
+  loader_processes(process.pid, serving=False, replicas_spawned=True)
+  os.killpg(process.pid, signal.SIGTERM)
+  code, rest = finish(process)
+  assert code == 75, out + rest
+  assert re.search(r'^Stopped by SIGTERM at epoch \d step \d: saved ', rest, re.M), out + rest
 
   result = run_script('train_wds_cifar.py', *run)
   assert result.returncode == 0, result.stdout + result.stderr
