@@ -459,6 +459,7 @@ class EpochLoader:
     (ignore_stop_signals) a stop signal would kill it and so the run. A worker inherits the mask
     (so does the fork server of loader_start, started here, which keeps it); a signal sent
     meanwhile waits, and is dropped once the worker ignores it."""
+    multiprocessing.resource_tracker.ensure_running()  # Its start would unblock SIGINT, SIGTERM.
     blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     try:
       return iter(self.loader)
@@ -486,7 +487,7 @@ class EpochLoader:
       if code > 0:
         return LoaderWorkerDied(f'{head} exited with code {code} ({seen}): its lines above say '
                                 f'why; {here}', 2)
-      name = signal.Signals(-code).name
+      name = {signum.value: signum.name for signum in signal.Signals}.get(-code, f'signal {-code}')
       why = {signal.SIGKILL: f'the host may be out of memory (see dmesg); {fewer}',
              signal.SIGBUS: f'shared memory is full (df -h /dev/shm): free it, or {fewer}'}
       return LoaderWorkerDied(f'{head} was killed by {name} ({seen}): ' + why.get(
@@ -521,23 +522,28 @@ def warmup_step_decay(step, steps_per_epoch, warmup_epochs, divide_every_n_epoch
 
 def loader_start():
   """The DataLoader's multiprocessing_context for its workers: in a spawned replica
-  (train_resnet_mp.py, train_wds_cifar.py), a fork server that has imported the script, torch
-  and torch_xla once, and forks each worker from them; a spawned worker imports them itself
-  (here 3.5 s and 411 MB of its own memory each, against 109 MB: benchmarks/input_pipeline.py).
-  Elsewhere None: fork, which takes milliseconds (the scripts' process was not spawned)."""
+  (train_resnet_mp.py, train_wds_cifar.py), a fork server that has imported torch, torch_xla
+  and this module (torchvision, PIL, numpy, fsspec) once, and forks each worker from it; a
+  spawned worker imports them itself (seconds and 411 MB of its own memory each here:
+  benchmarks/input_pipeline.py). Elsewhere None: fork (the process was not spawned)."""
   if multiprocessing.get_start_method(allow_none=True) != 'spawn':
     return None
   context = multiprocessing.get_context('forkserver')
-  context.set_forkserver_preload(['__main__', 'torch', 'torch_xla'])
+  context.set_forkserver_preload(['torch', 'torch_xla', __name__])
   return context
 
 
 def ignore_stop_signals(worker_id=None):
   """DataLoader worker_init_fn: workers serve on after a stop signal, so the run can save. They
-  start with the stop signals blocked (EpochLoader.start): unblocked here, once ignored."""
+  start with the stop signals blocked (EpochLoader.start): unblocked here, once ignored. A worker
+  ends once its replica is gone: torch's watchdog watches its parent, a fork server's worker
+  the server, which lives while a worker holds its pipe."""
   for signum in STOP_SIGNALS:
     signal.signal(signum, signal.SIG_IGN)
   signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+  replica = multiprocessing.parent_process()
+  if replica is not None:
+    threading.Thread(target=_end_with, args=(replica,), daemon=True).start()
 
 
 # ----------------------------------------------------------------- the log and results
@@ -1275,7 +1281,8 @@ def replica():
 
 def _end_with(launcher):
   """Ends this replica and its loader workers once its launcher is gone: killed by SIGKILL,
-  or ended the run for another replica that failed, which this one may be waiting for."""
+  or ended the run for another replica that failed, which this one may be waiting for (and a
+  loader worker once its replica is: ignore_stop_signals)."""
   launcher.join()
   end_loader_workers()
   os._exit(128 + signal.SIGKILL)

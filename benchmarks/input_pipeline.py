@@ -38,9 +38,9 @@ image-folder scripts' default).
 Loader workers (issue 68): what starting a replica's loader workers costs, seconds to the
 first batch and to a batch from each, and each worker's memory (its private pages, and its
 proportional share of what it shares), in a process that imported train_resnet_mp.py as a
-replica does. A replica spawns them (the start method it was spawned with): each imports the
-script, torch and torch_xla again. Against fork (train_single_core.py and train_resnet_spmd.py,
-whose process was not spawned) and forkserver with the script preloaded.
+replica does, by start method: spawn (a replica's own, each worker importing the script, torch
+and torch_xla again), forkserver as utils.loader_start gives it to a replica, and fork
+(train_single_core.py and train_resnet_spmd.py, whose process was not spawned).
 """
 
 import functools
@@ -588,9 +588,11 @@ import train_resnet_mp
 import multiprocessing, torch, utils
 sys.modules['__main__'].__file__ = train_resnet_mp.__file__
 method, workers = sys.argv[2], int(sys.argv[3])
-context = multiprocessing.get_context(method)
-if method == 'forkserver':
-  context.set_forkserver_preload(['__main__', 'torch', 'torch_xla', 'utils'])
+if method == 'forkserver':  # What a replica (whose start method is spawn) starts them with.
+  multiprocessing.set_start_method('spawn')
+  context = utils.loader_start()
+else:
+  context = multiprocessing.get_context(method)
 loader = torch.utils.data.DataLoader(
     torch.utils.data.TensorDataset(torch.zeros(4 * workers, 3, 8, 8)), batch_size=1,
     num_workers=workers, multiprocessing_context=context, worker_init_fn=utils.ignore_stop_signals,
@@ -620,9 +622,9 @@ def worker_start_table(workers, repeats):
   print('| start method | who starts them so | s to the first batch | s to one from each | '
         'private MB a worker | PSS MB a worker | RSS MB a worker |')
   print('| --- | --- | --- | --- | --- | --- | --- |')
-  who = {'spawn': "train_resnet_mp.py's and train_wds_cifar.py's replicas",
-         'fork': "train_single_core.py, train_resnet_spmd.py",
-         'forkserver': 'none (script, torch, torch_xla preloaded)'}
+  who = {'spawn': "train_resnet_mp.py's and train_wds_cifar.py's replicas before issue 68",
+         'forkserver': 'their replicas now (utils.loader_start)',
+         'fork': 'train_single_core.py, train_resnet_spmd.py'}
   repo = str(pathlib.Path(__file__).resolve().parents[1])
   for method in ('spawn', 'forkserver', 'fork'):
     runs = []

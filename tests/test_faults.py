@@ -110,10 +110,12 @@ def test_ctrl_c_while_loader_workers_start_stops_after_a_step_saves_and_exits_13
   assert_nothing_left(session=process.pid)
 
 
-def test_sighup_while_the_first_evaluations_loader_workers_start_saves_and_exits_75(data, tmp_path):
-  # A closed terminal's SIGHUP as the evaluation loader starts its workers (with persistent
-  # workers, the other start after epoch 1's; without them, every epoch's): forked from the
-  # replica's fork server, which must outlive the stop too.
+def test_sighup_as_the_first_evaluation_starts_its_loader_saves_and_exits_75(data, tmp_path):
+  # A closed terminal's SIGHUP as epoch 1's training ends, while the fork server (a process below
+  # the replica that does not ignore it) lives on to fork the evaluation loader's workers: with
+  # persistent workers, the loader's other start after epoch 1's (without them, every epoch's).
+  # The server started with the stop signals blocked and keeps them so; were it not, the signal
+  # would end it, and the evaluation could start no worker.
   process = start_script('train_resnet_mp.py', *command(data, tmp_path))
   out = wait_for(process, r'^Epoch 1 train end ')
   loader_processes(process.pid, serving=False, replicas_spawned=True)
@@ -202,6 +204,23 @@ def test_a_loader_worker_killed_mid_run_is_one_line_that_names_it_and_exit_code_
                       r'epoch [12]\): the host may be out of memory \(see dmesg\); give fewer '
                       r'--num_workers \(2 now; 0 loads in this process\)', out.strip().splitlines()[-1]), out
   assert 'Traceback' not in out, out
+  assert_nothing_left(session=process.pid)
+
+
+def test_a_replica_killed_as_the_oom_killer_does_leaves_none_of_its_loader_processes(data, tmp_path):
+  # SIGKILL to the replica alone: its loader workers are forked from a fork server, not its
+  # children (torch's watchdog watches the server, which lives while a worker holds its pipe):
+  # each ends once the replica is gone, and the server then.
+  process, so_far = start_and_wait_for_steps('train_resnet_mp.py', command(data, tmp_path), 2)
+  workers = loader_processes(process.pid, serving=True, replicas_spawned=True)
+  replica, = replicas(process.pid)
+  os.kill(replica, signal.SIGKILL)
+  code, rest = finish(process, timeout=300)
+  out = so_far + rest
+  assert code == 128 + signal.SIGKILL, out
+  assert out.strip().splitlines()[-1] == (f'error: replica process {replica} was killed by SIGKILL; '
+                                          'ended the other replicas'), out
+  assert workers and 'Traceback' not in out, out
   assert_nothing_left(session=process.pid)
 
 
