@@ -544,6 +544,26 @@ def ignore_stop_signals(worker_id=None):
   replica = multiprocessing.parent_process()
   if replica is not None:
     threading.Thread(target=_end_with, args=(replica,), daemon=True).start()
+    sys.stderr = _QuietOnceGone(sys.stderr, replica)
+
+
+class _QuietOnceGone:
+  """A loader worker's sys.stderr: a traceback that starts as its replica dies (a thread that
+  was handing it a batch, torch's queue or multiprocessing's fd server) ends the worker
+  instead, as _end_with would a moment later; while the replica lives, it is printed."""
+
+  def __init__(self, stream, replica):
+    self.stream, self.replica = stream, replica
+
+  def write(self, text):
+    if text.startswith(('Traceback', 'Exception in thread')):
+      self.replica.join(2)
+      if not self.replica.is_alive():
+        os._exit(128 + signal.SIGKILL)
+    return self.stream.write(text)
+
+  def __getattr__(self, name):
+    return getattr(self.stream, name)
 
 
 # ----------------------------------------------------------------- the log and results
