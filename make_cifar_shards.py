@@ -183,7 +183,7 @@ def written_whole(url):
   local = isinstance(fs, fsspec.implementations.local.LocalFileSystem)
   temporary = path + '.tmp' if local else path
   if local:
-    fs.makedirs(fs._parent(path), exist_ok=True)
+    fs.makedirs(os.path.dirname(path), exist_ok=True)
   try:
     f = fs.open(temporary, 'wb')
     try:
@@ -208,7 +208,7 @@ def earlier_files(fs, path):
   base = path.rsplit('/', 1)[-1]
   ours = re.compile(rf'{re.escape(base)}-(({"|".join(SPLITS)})-\d{{6}}\.tar(\.tmp)?|classes\.txt)')
   try:
-    names = fs.ls(fs._parent(path), detail=False)
+    names = fs.ls(os.path.dirname(path), detail=False)
   except FileNotFoundError:  # A folder that the writing makes.
     return []
   return sorted(name for name in names if ours.fullmatch(name.rstrip('/').rsplit('/', 1)[-1]))

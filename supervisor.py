@@ -28,7 +28,9 @@ import itertools
 import logging
 import numbers
 import os
+import re
 import select
+import shlex
 import signal
 import sys
 import threading
@@ -401,6 +403,57 @@ def check_format(flag, url, read_samples, count=16):
   return [sample[-1] for sample in itertools.islice(read_samples([url], on_bad), count)]
 
 
+def unquoted_patterns(argv, names):
+  """argv, once no shard pattern of the flags named is left unquoted: the shell expands one into
+  many arguments, and absl would say `unexpected arguments`, or keep the last of many
+  --wds_traindir=... without a word. Else one line that gives it quoted."""
+  given, flag = {name: [] for name in names}, None
+  for arg in argv[1:argv.index('--') if '--' in argv else len(argv)]:
+    name, equals, value = arg.lstrip('-').partition('=')
+    if arg.startswith('-'):
+      flag = name if name in given and not equals else None  # Its value: the next argument(s).
+      given.get(name, []).extend([value] if equals else [])
+    elif flag:
+      given[flag].append(arg)
+  for name, values in given.items():
+    shards = [value for value in values if re.search(r'\.(tar|tgz|tar\.gz)$', value)]
+    if len(set(shards)) > 1:
+      utils.die(f'--{name}: the shell expanded its shard pattern into {len(shards)} names ('
+                f'{shards[0]} ... {shards[-1]}): quote it, as in --{name} '
+                f'{shlex.quote(brace_pattern(shards))}')
+  return argv
+
+
+def brace_pattern(names):
+  """The {first..last} pattern (or {a,b,...}) that the shell expands to these names."""
+  prefix = re.sub(r'\d+$', '', os.path.commonprefix(names))
+  suffix = re.sub(r'^\d+', '', os.path.commonprefix([name[::-1] for name in names])[::-1])
+  middles = [name[len(prefix):len(name) - len(suffix)] for name in names]
+  if all(middle.isdigit() for middle in middles) and [int(middle) for middle in middles] == list(
+      range(int(middles[0]), int(middles[0]) + len(middles))):
+    return f'{prefix}{{{middles[0]}..{middles[-1]}}}{suffix}'
+  return f'{prefix}{{{",".join(middles)}}}{suffix}'
+
+
+def describe_shards(cfg, classes, seen, classes_given):
+  """train_wds_cifar.py's Data line: what the run trains on; seen: {flag: the labels of the
+  samples check_format read}, said if all lie below a count of classes that nothing gave."""
+  train, test = (len(list(braceexpand.braceexpand(pattern)))
+                 for pattern in (cfg.wds_traindir, cfg.wds_testdir))
+  test_samples = f'{cfg.testsize:,} evaluation samples' if cfg.testsize else 'the evaluation samples'
+  source = ('--num_classes' if classes_given else
+            'the classes file beside the training shards' if classes else
+            "CIFAR-10's; give --num_classes for other shards")
+  labels = [label for split in seen.values() for label in split]
+  if source.startswith('CIFAR') and labels and max(labels) < cfg.num_classes - 1:
+    source += (f'; the labels seen are {min(labels)} to {max(labels)}, in the first ' + ' and '.join(
+        f'{len(split)} {"training" if flag == "wds_traindir" else "evaluation"}'
+        for flag, split in seen.items() if split) + ' samples')
+  return (f'Data: {cfg.trainsize:,} training samples in {train} shard{"s" * (train != 1)} and '
+          f'{test_samples} in {test}, at 3x{cfg.img_dim}x{cfg.img_dim} uint8, {cfg.num_classes} '
+          f'classes ({source})')
+
+
 # ------------------------------------------------------------------ the watch over the run
 
 
@@ -573,6 +626,9 @@ UPSTREAM_FLAGS = {
     'shard_param_on_dim_0': f'{_FSDP}',
     'sharding': "train_resnet_spmd.py's (batch, fsdp, hybrid): this script holds the whole model "
                 'on each device',
+    **{f'sharding={mode}': "upstream's spatial, conv and linear shard one layer's activations as "
+                           'demonstrations; a model larger than one chip trains with --sharding '
+                           'fsdp (hybrid across slices)' for mode in ('spatial', 'conv', 'linear')},
     'tidy': 'needs nothing: upstream deletes the MNIST it downloaded into --datadir; these '
             'scripts download nothing and never delete your data',
     'train_dataset_len': 'give --num_steps (a cap on the steps of each epoch)',

@@ -12,6 +12,7 @@ every replica finishes the same step, the master saves, exit code 75 (130).
       --batch_size 16 --num_epochs 2 --num_steps 40 --log_steps 10
 """
 
+import contextlib
 import os
 import sys
 import time
@@ -139,6 +140,14 @@ OPTIMIZED_KWARGS = {'tpuv4': dict(batch_size=128, test_set_batch_size=128, num_w
 
 
 # ---------------------------------------------------------- your model and your data
+def build_optimizer(cfg, model):
+  """The optimizer of the model's parameters: SGD with --lr, --momentum and --weight_decay. Put
+  yours here (docs/adapt.md shows AdamW); a restore gives back its state_dict whatever it holds.
+  A flag value it cannot take: raise utils.UsageError (one `error:` line, exit code 2)."""
+  return torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum,
+                         weight_decay=cfg.weight_decay)
+
+
 def build_model(cfg, num_classes):
   """The model to train: a torch.nn.Module from a float batch (N, C, H, W) to logits (N,
   num_classes). Here: the torchvision classifier --model names. Put yours here; a --model name of
@@ -206,6 +215,14 @@ def load_data(cfg, rank, world_size):
           utils.EpochLoader(test_loader, cap), num_classes)
 
 
+def device_loaders(loaders, cfg):
+  """An MpDeviceLoader of each loader: its batches copied to the device by threads of its own,
+  ahead of the steps that take them (--loader_prefetch_size and the next two flags)."""
+  prefetch = {name: getattr(cfg, name) for name in (
+      'loader_prefetch_size', 'device_prefetch_size', 'host_to_device_transfer_threads')}
+  return [pl.MpDeviceLoader(loader, torch_xla.device(), **prefetch) for loader in loaders]
+
+
 def start_run(cfg, num_classes, steps_per_epoch, stop_signal):
   """Model, optimizer, LR schedule, log, stop vote and results of this replica, restored from
   the newest checkpoint if there is one; run.epoch and run.step are where training goes on."""
@@ -215,23 +232,22 @@ def start_run(cfg, num_classes, steps_per_epoch, stop_signal):
   xm.broadcast_master_param(model)  # Every replica starts from the master's weights.
   if cfg.ddp or cfg.pjrt_distributed:  # torch.distributed over XLA's collectives, as upstream's.
     torch.distributed.init_process_group('xla', init_method='xla://')
-  optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum,
-                              weight_decay=cfg.weight_decay)
+  optimizer = build_optimizer(cfg, model)
   scheduler = None
   if cfg.lr_scheduler_type == 'WarmupAndExponentialDecayScheduler':
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: utils.warmup_step_decay(
         step, steps_per_epoch, cfg.lr_warmup_epochs, cfg.lr_scheduler_divide_every_n_epochs,
         cfg.lr_scheduler_divisor))
+  # What trains under --ddp (train_step); run.model, unwrapped, is saved and evaluated.
+  ddp = (torch.nn.parallel.DistributedDataParallel(model, broadcast_buffers=False,
+                                                   gradient_as_bucket_view=True)
+         if cfg.ddp else None)
   writer = SummaryWriter(cfg.logdir) if cfg.logdir and xm.is_master_ordinal() else None
-  run = SimpleNamespace(cfg=cfg, model=model, optimizer=optimizer, scheduler=scheduler,
+  run = SimpleNamespace(cfg=cfg, model=model, optimizer=optimizer, scheduler=scheduler, ddp=ddp,
                         stop=utils.StopVote(device, stop_signal, optimizer, num_classes),
                         stop_signal=stop_signal, steps_per_epoch=steps_per_epoch,
                         results=utils.new_results(cfg.model, amp=cfg.amp),
-                        num_classes=num_classes, epoch=1, step=0, global_step=0,
-                        # What trains under --ddp; run.model, unwrapped, is saved and evaluated.
-                        ddp=torch.nn.parallel.DistributedDataParallel(
-                            model, broadcast_buffers=False, gradient_as_bucket_view=True)
-                        if cfg.ddp else None)
+                        num_classes=num_classes, epoch=1, step=0, global_step=0)
   path, state = utils.checkpoint_to_resume(cfg.resume, cfg.ckpt_dir, model.state_dict(),
                                            vars(cfg), run.results['world_size'])
   if state is not None:
@@ -243,23 +259,26 @@ def start_run(cfg, num_classes, steps_per_epoch, stop_signal):
   return run
 
 
-def train_step(model, optimizer, scheduler, images, labels, cfg, part=(1, 1)):
+def train_step(run, images, labels, part=(1, 1)):
   """Adds the gradients of the batch's loss to the weights'; on the last batch of a step (part: i
   of n, n --gradient_accumulation_steps), steps. Returns the loss / n."""
-  i, n = part
-  # --amp: bfloat16 has float32's range, so no gradient scaler (see docs/tpu.md).
-  with torch.autocast('xla', dtype=torch.bfloat16, enabled=cfg.amp):
-    output = model(utils.normalize(images))
-    loss = F.cross_entropy(utils.check_scores(output, labels, cfg.num_classes), labels) / n
-  loss.backward()  # Added to the gradients of the step's batches before.
+  (i, n), cfg, optimizer = part, run.cfg, run.optimizer
+  # --ddp: DDP's wrapper, whose backward all-reduces the gradients, on a step's last batch only
+  # (no_sync before it: each replica adds up its own, n - 1 all-reduces fewer a step).
+  with run.ddp.no_sync() if run.ddp and i < n else contextlib.nullcontext():
+    # --amp: bfloat16 has float32's range, so no gradient scaler (see docs/tpu.md).
+    with torch.autocast('xla', dtype=torch.bfloat16, enabled=cfg.amp):
+      output = (run.ddp or run.model)(utils.normalize(images))
+      loss = F.cross_entropy(utils.check_scores(output, labels, cfg.num_classes), labels) / n
+    loss.backward()  # Added to the gradients of the step's batches before.
   if i == n:
-    if cfg.ddp:  # DDP's backward has all-reduced the gradients.
+    if run.ddp:  # DDP's backward has all-reduced the gradients.
       optimizer.step()
     else:
       xm.optimizer_step(optimizer)  # All-reduces the gradients over every replica, then steps.
     optimizer.zero_grad()  # For the next step's first batch.
-    if scheduler is not None:
-      scheduler.step()
+    if run.scheduler is not None:
+      run.scheduler.step()
   return loss
 
 
@@ -280,8 +299,7 @@ def train_one_epoch(run, loader, epoch, first_step):
       # Named steps in a profile; each batch ends in a sync, so that a step of several holds one
       # batch's activations at a time, and compiles at most three graphs however many there are.
       with xp.StepTrace('train_step', step_num=step):
-        loss = loss + train_step(run.ddp or run.model, run.optimizer, run.scheduler, images,
-                                 labels, cfg, (i, len(batches)))
+        loss = loss + train_step(run, images, labels, (i, len(batches)))
         if i < len(batches):
           continue
         labels = torch.cat([labels for _, labels in batches])
@@ -380,18 +398,14 @@ def end_epoch(run, epoch, accuracy, counts):
 
 
 def train(cfg, stop_signal):
-  """This process's run (stop_signal(): the signal it got, or 0); returns (its results, the
-  exit code) where it finishes, stops or diverges. A replica that fails raises: utils.replica,
-  in _mp_fn, says why and ends the run (exit code 2, or 1 and a traceback for a bug)."""
+  """This process's run; returns (its results, the exit code) where it finishes, stops (when
+  stop_signal() says) or diverges. A replica that fails raises (utils.replica ends the run)."""
   torch.manual_seed(cfg.seed)
   rank, world_size, device = xr.global_ordinal(), xr.world_size(), torch_xla.device()
   train_loader, test_loader, num_classes = load_data(cfg, rank, world_size)
   run = start_run(cfg, num_classes, train_loader.steps, stop_signal)
   results = run.results
-  prefetch = {name: getattr(cfg, name) for name in (
-      'loader_prefetch_size', 'device_prefetch_size', 'host_to_device_transfer_threads')}
-  train_device_loader = pl.MpDeviceLoader(train_loader, device, **prefetch)
-  test_device_loader = pl.MpDeviceLoader(test_loader, device, **prefetch)
+  train_device_loader, test_device_loader = device_loaders((train_loader, test_loader), cfg)
   if run.epoch <= cfg.num_epochs:  # Else: 'Run already finished'.
     xm.master_print(f'Replicas started: {world_size}; compiling the first step ...', flush=True)
   try:
@@ -465,7 +479,7 @@ def main(argv):
   if supervisor:  # Bad input is one line here, before any replica, not one per replica.
     try:
       supervisor.check_job(cfg, build_datasets, build_model, FAKE_CLASSES, given,
-                           (recipe_name, settings))
+                           (recipe_name, settings), build_optimizer)
     except utils.SAID as e:
       utils.die(e)
   # Replica processes start here, but with --num_cores 1 or under torchrun (its worker is one).

@@ -19,23 +19,18 @@ again goes on exactly where the last one stopped, on this mesh or another. SIGTE
       --batch_size 16 --num_epochs 2 --num_steps 40 --log_steps 10
 """
 
-import asyncio
-import contextlib
-import enum
 import functools
 import math
 import os
-import pickle
 import sys
 import time
-import uuid
 import warnings
 from types import SimpleNamespace
 
 from absl import app, flags
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string('sharding', 'batch', 'How the model lies on the N devices. batch: each device '
+flags.DEFINE_enum('sharding', 'batch', ['batch', 'fsdp', 'hybrid'], 'How the model lies on the N devices. batch: each device '
                     'holds the whole model, its gradients and optimizer state. fsdp: each holds 1/N '
                     "of each weight, gradient and optimizer state, and a block's whole weights only "
                     'while the block runs. hybrid: as fsdp within groups of --fsdp_size devices, '
@@ -103,12 +98,6 @@ flags.DEFINE_integer('ckpt_every_steps', None, 'Also save every N steps.', lower
 flags.DEFINE_integer('keep_checkpoints', 2, 'Checkpoints kept, besides best.pt.', lower_bound=1)
 flags.DEFINE_string('resume', None, 'Resume from this checkpoint instead of the newest in --ckpt_dir.')
 flags.DEFINE_string('compile_cache_dir', None, "torch_xla's compile cache, on this host's disk: a restart loads graphs, not compiles (TPU).")
-flags.register_validator('sharding', lambda mode: mode not in ('spatial', 'conv', 'linear'),
-                         "upstream's spatial, conv and linear shard one layer's activations as "
-                         'demonstrations; a model larger than one chip trains with --sharding fsdp '
-                         '(hybrid across slices)')
-flags.register_validator('sharding', lambda mode: mode in ('batch', 'fsdp', 'hybrid'),
-                         'give batch, fsdp or hybrid')
 flags.register_multi_flags_validator(
     ['sharding', 'fsdp_size'], lambda given: (given['sharding'] == 'hybrid') == bool(given['fsdp_size']),
     '--sharding hybrid takes --fsdp_size N (the devices that hold one copy of the weights), and '
@@ -134,10 +123,8 @@ if (__name__ == '__main__' and 'IPython' not in sys.modules and
 # default, which a notebook's kernel passes on: TF_CPP_MIN_LOG_LEVEL=0 shows them.
 if os.environ.get('TF_CPP_MIN_LOG_LEVEL', '1') == '1':  # Before torch_xla loads XLA.
   os.environ['TF_CPP_MIN_LOG_LEVEL'] = '2'
-import fsspec
 import numpy as np
 import torch
-import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 import torch_xla
 import torch_xla.core.xla_model as xm
@@ -149,16 +136,14 @@ import torch_xla.runtime as xr
 import torch_xla.test.test_utils as test_utils
 import torch_xla.utils.utils as xu
 import torchvision
-from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 from torch.utils.tensorboard import SummaryWriter
 from torch_xla.distributed.fsdp import checkpoint_module
 from torch_xla.distributed.fsdp.wrap import transformer_auto_wrap_policy
-from torch_xla.experimental.distributed_checkpoint import (SPMDLoadPlanner, SPMDSavePlanner,
-                                                          prime_optimizer)
 from torch_xla.experimental.spmd_fully_sharded_data_parallel import \
     SpmdFullyShardedDataParallel as FSDPv2
 from torchvision.transforms import v2
 
+import sharded_checkpoints
 import utils
 
 try:  # Optional: checks before the run starts and a watch over its processes (see its docstring).
@@ -190,6 +175,14 @@ def as_dict(samples):
 
 
 # ---------------------------------------------------------- your model and your data
+def build_optimizer(cfg, model):
+  """The optimizer of the model's parameters: SGD with --lr, --momentum and --weight_decay. Put
+  yours here (docs/adapt.md shows AdamW); a restore gives back its state_dict whatever it holds.
+  A flag value it cannot take: raise utils.UsageError (one `error:` line, exit code 2)."""
+  return torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum,
+                         weight_decay=cfg.weight_decay)
+
+
 def build_model(cfg, num_classes):
   """The model to train: a torch.nn.Module from a float batch (N, C, H, W) to logits (N,
   num_classes). Here: the torchvision classifier --model names. Put yours here; a --model name of
@@ -204,15 +197,6 @@ def build_model(cfg, num_classes):
 # activations recomputed in the backward). Put your model's repeated block here (a transformer
 # layer, say): a module with a forward of its own that takes and returns tensors.
 BLOCKS = (torchvision.models.resnet.BasicBlock, torchvision.models.resnet.Bottleneck)
-
-
-def build_optimizer(cfg, model):
-  """The optimizer of the model's parameters (sharded ones under fsdp: its state is made on
-  their devices, sharded alike). Here: SGD with --lr, --momentum and --weight_decay. Put yours
-  here (docs/adapt.md shows AdamW); a restore gives back its state_dict whatever it holds.
-  A flag value it cannot take: raise utils.UsageError (one `error:` line, exit code 2)."""
-  return torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum,
-                         weight_decay=cfg.weight_decay)
 
 
 def build_datasets(cfg):
@@ -328,6 +312,10 @@ def start_run(cfg, num_classes, steps_per_epoch, stop_signal, mesh):
   # The profiler serves TensorBoard's captures, and --profile_step's, while this run is held.
   run.profiler = (xp.start_server(cfg.profiler_port)
                   if cfg.profile or cfg.profile_step is not None else None)
+  if run.epoch <= cfg.num_epochs:  # Else: 'Run already finished'.
+    xm.master_print(f'Mesh of {mesh.size()} devices ({mesh.mesh_shape[0]} data x '
+                    f'{mesh.mesh_shape[1]} fsdp, --sharding {cfg.sharding}); compiling the first '
+                    'step ...', flush=True)
   return run
 
 
@@ -356,13 +344,13 @@ def weights(model):
   return {name.replace('_orig_module.', ''): tensor for name, tensor in model.state_dict().items()}
 
 
-def train_step(model, optimizer, scheduler, images, labels, cfg, part=(1, 1)):
+def train_step(run, images, labels, part=(1, 1)):
   """Adds the gradients of the batch's loss to the weights'; on the last batch of a step (part: i
   of n, n --gradient_accumulation_steps), steps. Returns the loss / n."""
-  i, n = part
+  (i, n), cfg, optimizer = part, run.cfg, run.optimizer
   # --amp: bfloat16 has float32's range, so no gradient scaler (see docs/tpu.md).
   with torch.autocast('xla', dtype=torch.bfloat16, enabled=cfg.amp):
-    output = model(utils.normalize(images))
+    output = run.model(utils.normalize(images))
     loss = F.cross_entropy(utils.check_scores(output, labels, cfg.num_classes), labels) / n
   loss.backward()  # Added to the gradients of the step's batches before.
   if i == n:
@@ -370,8 +358,8 @@ def train_step(model, optimizer, scheduler, images, labels, cfg, part=(1, 1)):
     # has already reduced over the mesh.
     optimizer.step()
     optimizer.zero_grad()  # For the next step's first batch.
-    if scheduler is not None:
-      scheduler.step()
+    if run.scheduler is not None:
+      run.scheduler.step()
   return loss
 
 
@@ -392,8 +380,7 @@ def train_one_epoch(run, loader, epoch, first_step):
       # Named steps in a profile; each batch ends in a sync, so that a step of several holds one
       # batch's activations at a time, and compiles at most three graphs however many there are.
       with xp.StepTrace('train_step', step_num=step):
-        loss = loss + train_step(run.model, run.optimizer, run.scheduler, batch['images'],
-                                 batch['labels'], cfg, (i, len(batches)))
+        loss = loss + train_step(run, batch['images'], batch['labels'], (i, len(batches)))
         if i < len(batches):
           continue
         labels = torch.cat([batch['labels'] for batch in batches])
@@ -439,13 +426,15 @@ def save_checkpoint(run, epoch, step, best=False):
                lr_scheduler=run.scheduler.state_dict() if run.scheduler else None, epoch=epoch,
                step=step, global_step=run.global_step, flags=vars(run.cfg),
                rng=dict(torch=torch.get_rng_state(), xla=xm.get_rng_state()), results=run.results)
-  return write_sharded(state, run.cfg.ckpt_dir, run.cfg.keep_checkpoints, best)
+  return sharded_checkpoints.write_sharded(state, run.cfg.ckpt_dir, run.cfg.keep_checkpoints,
+                                           best)
 
 
 def restore_checkpoint(run, state):
   """Puts save_checkpoint's state back into the run, with the --lr, --momentum and
   --weight_decay given now (utils.new_recipe); returns what those changed."""
-  state = read_sharded(state, run.model, run.optimizer)  # The weights in place; the rest returned.
+  # The weights in place; the rest returned.
+  state = sharded_checkpoints.read_sharded(state, weights(run.model), run.optimizer)
   run.optimizer.load_state_dict(state['optimizer'])
   if run.scheduler is not None and state['lr_scheduler'] is not None:
     run.scheduler.load_state_dict(state['lr_scheduler'])
@@ -507,10 +496,13 @@ def build_mesh(cfg, devices, hosts):
   return xs.Mesh(np.arange(devices), (devices // fsdp, fsdp), ('data', 'fsdp'))
 
 
-def say_held(run):
+def say_held(run, epoch, steps):
   """Says, and records in the results, the bytes the first device holds of the weights and of
-  the optimizer's state: its shard of each sharded tensor, all of each other one (4 bytes a
-  value: torch's count, under --bf16 too)."""
+  the optimizer's state, once: after the run's first epoch (on this mesh) that trained a step,
+  when the optimizer's state exists. Its shard of each sharded tensor, all of each other one
+  (4 bytes a value: torch's count, under --bf16 too)."""
+  if epoch != run.epoch or not steps:
+    return
   def on_device(tensors):
     total = 0
     for tensor in tensors:
@@ -530,13 +522,14 @@ def say_held(run):
                   f'{held["optimizer"] / 1e6:.1f} MB of optimizer state', flush=True)
 
 
-def sharded(loader, mesh, device, cfg):
-  """The loader's batches on the device, each host's batch its devices' rows of the global
-  batch, sharded over every device of the mesh (BatchSharding)."""
-  return pl.MpDeviceLoader(loader, device, loader_prefetch_size=cfg.loader_prefetch_size,
-                           device_prefetch_size=cfg.device_prefetch_size,
-                           host_to_device_transfer_threads=cfg.host_to_device_transfer_threads,
-                           input_sharding=BatchSharding(mesh))
+def sharded(loaders, mesh, cfg):
+  """An MpDeviceLoader of each loader: its batches on the device, each host's batch its devices'
+  rows of the global batch, sharded over every device of the mesh (BatchSharding)."""
+  return [pl.MpDeviceLoader(loader, torch_xla.device(), input_sharding=BatchSharding(mesh),
+                            loader_prefetch_size=cfg.loader_prefetch_size,
+                            device_prefetch_size=cfg.device_prefetch_size,
+                            host_to_device_transfer_threads=cfg.host_to_device_transfer_threads)
+          for loader in loaders]
 
 
 class BatchSharding(xs.ShardingSpec):
@@ -558,22 +551,15 @@ class BatchSharding(xs.ShardingSpec):
 
 
 def train(cfg, stop_signal):
-  """This process's run (stop_signal(): the signal it got, or 0); returns (its results, the
-  exit code) where it finishes, stops or diverges. A run that fails raises: main says why in
-  one line (exit code 2), or app.run prints the traceback of a bug (exit code 1)."""
+  """This process's run; returns (its results, the exit code) where it finishes, stops (when
+  stop_signal() says) or diverges. A run that fails raises (main says why)."""
   torch.manual_seed(cfg.seed)
   host, hosts, devices = xr.process_index(), xr.process_count(), xr.global_runtime_device_count()
-  local_devices = xr.addressable_runtime_device_count()
-  mesh = build_mesh(cfg, devices, hosts)
+  mesh, local_devices = build_mesh(cfg, devices, hosts), xr.addressable_runtime_device_count()
   train_loader, test_loader, num_classes = load_data(cfg, host, hosts, local_devices)
   run = start_run(cfg, num_classes, train_loader.steps, stop_signal, mesh)
-  results, device = run.results, torch_xla.device()
-  train_device_loader, test_device_loader = (sharded(loader, mesh, device, cfg)
-                                             for loader in (train_loader, test_loader))
-  if run.epoch <= cfg.num_epochs:  # Else: 'Run already finished'.
-    xm.master_print(f'Mesh of {devices} devices ({mesh.mesh_shape[0]} data x '
-                    f'{mesh.mesh_shape[1]} fsdp, --sharding {cfg.sharding}); compiling the first '
-                    'step ...', flush=True)
+  results = run.results
+  train_device_loader, test_device_loader = sharded((train_loader, test_loader), mesh, cfg)
   try:
     for epoch in range(run.epoch, cfg.num_epochs + 1):
       first_step = run.step if epoch == run.epoch else 0
@@ -586,8 +572,7 @@ def train(cfg, stop_signal):
       run.log.flush()  # Its lines before the epoch's.
       seconds = time.time() - start
       results['train_seconds'] += seconds
-      if epoch == run.epoch and steps:  # This mesh's, once the optimizer's state exists.
-        say_held(run)
+      say_held(run, epoch, steps)
       if stopped:  # By SIGTERM, SIGHUP or Ctrl-C: saved here (--ckpt_dir); exit code 75 or 130.
         return results, stop_run(run, epoch, first_step + steps)
       samples = steps * cfg.batch_size * cfg.gradient_accumulation_steps
@@ -655,177 +640,6 @@ def run(argv):
   import command  # Only run() and %run need command.py.
   return command.run(__file__, argv)
 
-
-# -------------------------------- sharded checkpoints: machinery that never needs editing
-def write_sharded(state, ckpt_dir, keep, best):
-  """utils.write_checkpoint of a state whose device tensors (the weights, the optimizer's state)
-  every host writes itself, only the shards its devices hold, through torch.distributed.
-  checkpoint: into ckpt-N/ beside ckpt-N.pt, which holds the rest (and each weight's shape) and
-  the id of this save, which the folder's index holds too (process 0's, which writes both)."""
-  tensors, rest = split_tensors(dict(model=state['model'], optimizer=state['optimizer']['state']))
-  save_id = uuid.uuid4().hex
-  plain = dict(state, model={name: weight.shape for name, weight in state['model'].items()},
-               optimizer=dict(state['optimizer'], state=rest['optimizer']), shards_id=save_id)
-
-  def write(folder):
-    if torch.distributed.is_initialized():  # Several hosts: none writes if process 0 refused.
-      try:
-        torch.distributed.barrier()
-      except RuntimeError:
-        raise utils.UsageError(f'process 0 ended before checkpoint {folder} was written: its '
-                               'line says why') from None
-    try:
-      dcp.save(tensors, storage_writer=ShardsWriter(folder, save_id),
-               planner=SPMDSavePlanner(), no_dist=not torch.distributed.is_initialized())
-    except BaseException as e:  # torch.distributed.checkpoint's CheckpointException is one.
-      raise shards_error(e, f'cannot write checkpoint {folder}', 'free space in --ckpt_dir or '
-                         'give another; the checkpoints already there are kept') from None
-  return utils.write_checkpoint(plain, ckpt_dir, keep, best, shards=write)
-
-
-def read_sharded(state, model, optimizer):
-  """Loads the shards of a write_sharded checkpoint into the model's weights and the
-  optimizer's state, in place: each host reads what its devices hold on this run's mesh,
-  whatever the mesh that wrote them. Returns the state with the optimizer's state_dict whole."""
-  if not optimizer.state:  # Its state to load into, made by a step of zero gradients, sharded
-    prime_optimizer(optimizer)  # as its weights are (else it loads whole on every device).
-    optimizer.zero_grad(set_to_none=True)  # The first step's graph as a fresh run's.
-  groups = [len(group['params']) for group in optimizer.param_groups]
-  if groups != [len(group['params']) for group in state['optimizer']['param_groups']]:
-    raise utils.UsageError(f'checkpoint {state["shards"]} was saved with other parameter groups '
-                           f'than build_optimizer makes now ({groups} parameters): give the '
-                           'optimizer of that run, or another --ckpt_dir')
-  folder = state['shards']
-  reader = ShardsReader(folder, **utils.fs_options(folder))
-  try:
-    index = reader.read_metadata()
-    if state.get('shards_id', index.storage_meta.save_id) != index.storage_meta.save_id:
-      raise utils.UsageError(f'{folder} is not the folder of shards saved with {folder}.pt (its '
-                             'index names another save): nothing was changed; put back the '
-                             'folder saved with it, or move both out of --ckpt_dir to resume '
-                             'from the one before')
-    saved = index.state_dict_metadata
-    # A parameter without state there had no gradient in that run (frozen, or SGD without
-    # momentum then): it starts without one here too, as a whole file's restore does.
-    parameters = [p for group in optimizer.param_groups for p in group['params']]
-    with_state = {name.split('.')[1] for name in saved if name.startswith('optimizer.')}
-    for index in [index for index in optimizer.state_dict()['state']
-                  if str(index) not in with_state]:
-      del optimizer.state[parameters[index]]
-    optimizer_state = optimizer.state_dict()['state']  # The optimizer's own tensors.
-    tensors, _ = split_tensors(dict(model=weights(model), optimizer=optimizer_state))
-    missing = [name for name in flat_names(tensors) if name not in saved]
-    if not missing:
-      dcp.load(tensors, storage_reader=reader, planner=SPMDLoadPlanner(),
-               no_dist=not torch.distributed.is_initialized())
-  except BaseException as e:  # (shards_error gives back our own UsageError as it is.)
-    raise shards_error(e, f'cannot read checkpoint {folder}', 'nothing was changed; make it '
-                       'readable, or move it out of --ckpt_dir to resume from the one before'
-                       ) from None
-  if missing:  # The weights were checked (utils.check_same_model): another optimizer's state.
-    raise utils.UsageError(f'checkpoint {folder} holds no {missing[0]} ({len(missing)} tensors '
-                           'of this run are not there): it was saved with another optimizer; '
-                           'give the optimizer of that run, or another --ckpt_dir')
-  merged = {index: {**state['optimizer']['state'].get(index, {}), **values}
-            for index, values in optimizer_state.items()}
-  return dict(state, optimizer=dict(state['optimizer'], state=merged))
-
-
-def split_tensors(tree):
-  """(its tensors, the rest) of a tree of dicts, each as a tree of the same keys."""
-  tensors, rest = {}, {}
-  for key, value in tree.items():
-    if isinstance(value, dict):
-      tensors[key], rest[key] = split_tensors(value)
-    else:
-      (tensors if isinstance(value, torch.Tensor) else rest)[key] = value
-  return tensors, rest
-
-
-def flat_names(tree, prefix=''):
-  """The names torch.distributed.checkpoint gives the leaves of a tree of dicts (a.b.c)."""
-  for key, value in tree.items():
-    if isinstance(value, dict):
-      yield from flat_names(value, f'{prefix}{key}.')
-    else:
-      yield f'{prefix}{key}'
-
-
-def shards_error(error, what, advice):
-  """The one-line error of a failed save or load of shards (a bug's exception as it is)."""
-  failures = getattr(error, 'failures', None)  # {rank: (exception, traceback)}
-  cause = next(iter(failures.values()))[0] if failures else error
-  context = cause  # A bucket's deadline (utils.fs_options), which torch's zip writer may have
-  while context is not None and not isinstance(context, asyncio.TimeoutError):  # met as a
-    context = context.__cause__ or context.__context__  # short write (a RuntimeError).
-  if context is not None:
-    return utils.BucketTimeout(what)
-  if isinstance(cause, (OSError, RuntimeError, pickle.UnpicklingError, EOFError, ValueError)):
-    return utils.UsageError(f'{what} ({type(cause).__name__}: '
-                            f'{str(cause).strip().splitlines()[0] if str(cause).strip() else ""}): '
-                            f'{advice}')
-  return cause
-
-
-class ShardsWriter(FsspecWriter):
-  """torch.distributed.checkpoint's writer of a folder of shards, whose index (.metadata) names
-  the save (save_id), and whose write to a bucket that fails sends nothing more: neither the
-  file's last part nor a request to remove it, each of which would wait a deadline of its own.
-  (The folder is no checkpoint without its file, and a later save removes it.)"""
-
-  def __init__(self, folder, save_id):
-    local = fsspec.utils.get_protocol(folder) == 'file'  # Else no file to fsync, but os.sync().
-    super().__init__(folder, sync_files=local, **utils.fs_options(folder))
-    self.save_id = save_id  # (dcp.save resets it only when given a checkpoint_id.)
-    if not local:
-      self.fs.create_stream = self.create_stream
-
-  @contextlib.contextmanager
-  def create_stream(self, path, mode):
-    stream = self.fs.fs.open(os.fspath(path), mode)
-    try:
-      yield stream
-    except BaseException:
-      stream.closed = True  # So closing it sends nothing (an upload begun expires unfinished).
-      raise
-    stream.close()
-
-
-class ShardsReader(FsspecReader):
-  """torch.distributed.checkpoint's reader, whose index of the shards (.metadata, a pickle) may
-  hold only that index's own classes: a crafted one cannot run code as it loads."""
-
-  ALLOWED = {('torch.distributed.checkpoint.metadata', name) for name in (
-      'Metadata', 'TensorStorageMetadata', 'ChunkStorageMetadata', 'BytesStorageMetadata',
-      'TensorProperties', 'MetadataIndex', 'StorageMeta', '_MEM_FORMAT_ENCODING')} | {
-          ('torch.distributed.checkpoint.filesystem', '_StorageInfo'), ('torch', 'Size'),
-          ('torch.serialization', '_get_layout')}
-
-  class Unpickler(pickle.Unpickler):
-    def find_class(self, module, name):
-      if (module, name) == ('builtins', 'getattr'):  # An Enum member, as Python 3.11.2 pickles it.
-        return ShardsReader.enum_member
-      if (module, name) in ShardsReader.ALLOWED or (
-          module == 'torch' and isinstance(getattr(torch, name, None), torch.dtype)):
-        return super().find_class(module, name)
-      raise pickle.UnpicklingError(f'{module}.{name} is not part of a checkpoint\'s index')
-
-  @staticmethod
-  def enum_member(cls, name):
-    """getattr(cls, name) for a member of an Enum of the index alone."""
-    if isinstance(cls, enum.EnumMeta) and name in cls.__members__ and (
-        cls.__module__, cls.__name__) in ShardsReader.ALLOWED:
-      return cls[name]
-    raise pickle.UnpicklingError(f'getattr({cls!r}, {name!r}) is not part of a checkpoint\'s index')
-
-  def read_metadata(self, *args, **kwargs):
-    with self.fs.create_stream(self._get_metadata_path(), 'rb') as f:
-      metadata = self.Unpickler(f).load()
-    if not isinstance(metadata, dcp.metadata.Metadata):
-      raise pickle.UnpicklingError(f'it holds a {type(metadata).__name__}, not an index')
-    metadata.storage_meta = metadata.storage_meta or dcp.metadata.StorageMeta()
-    metadata.storage_meta.load_id = self.load_id
-    return metadata
 
 if __name__ == '__main__':
   if utils.in_notebook():  # %run in a notebook: a command of its own, as run() starts it.

@@ -120,6 +120,14 @@ FAKE_TRAIN_SAMPLES, FAKE_TEST_SAMPLES, FAKE_CLASSES = 1_200_000, 50_000, 1000  #
 
 
 # ---------------------------------------------------------- your model and your data
+def build_optimizer(cfg, model):
+  """The optimizer of the model's parameters: SGD with --lr, --momentum and --weight_decay. Put
+  yours here (docs/adapt.md shows AdamW); a restore gives back its state_dict whatever it holds.
+  A flag value it cannot take: raise utils.UsageError (one `error:` line, exit code 2)."""
+  return torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum,
+                         weight_decay=cfg.weight_decay)
+
+
 def build_model(cfg, num_classes):
   """The model to train: a torch.nn.Module from a float batch (N, C, H, W) to logits (N,
   num_classes). Here: the torchvision classifier --model names. Put yours here; a --model name of
@@ -187,6 +195,14 @@ def load_data(cfg, rank, world_size):
           utils.EpochLoader(test_loader, cap), num_classes)
 
 
+def device_loaders(loaders, cfg):
+  """An MpDeviceLoader of each loader: its batches copied to the device by threads of its own,
+  ahead of the steps that take them (--loader_prefetch_size and the next two flags)."""
+  prefetch = {name: getattr(cfg, name) for name in (
+      'loader_prefetch_size', 'device_prefetch_size', 'host_to_device_transfer_threads')}
+  return [pl.MpDeviceLoader(loader, torch_xla.device(), **prefetch) for loader in loaders]
+
+
 def start_run(cfg, num_classes, steps_per_epoch, stop_signal):
   """Model, optimizer, LR schedule, log and results, restored from the newest checkpoint if
   there is one; run.epoch and run.step are where training goes on."""
@@ -194,8 +210,7 @@ def start_run(cfg, num_classes, steps_per_epoch, stop_signal):
   cfg.num_classes = num_classes  # train_step checks the model's output against it.
   model = build_model(cfg, num_classes)
   model = model.to(device)
-  optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum,
-                              weight_decay=cfg.weight_decay)
+  optimizer = build_optimizer(cfg, model)
   scheduler = None
   if cfg.lr_scheduler_type == 'WarmupAndExponentialDecayScheduler':
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: utils.warmup_step_decay(
@@ -218,20 +233,20 @@ def start_run(cfg, num_classes, steps_per_epoch, stop_signal):
   return run
 
 
-def train_step(model, optimizer, scheduler, images, labels, cfg, part=(1, 1)):
+def train_step(run, images, labels, part=(1, 1)):
   """Adds the gradients of the batch's loss to the weights'; on the last batch of a step (part: i
   of n, n --gradient_accumulation_steps), steps. Returns the loss / n."""
-  i, n = part
+  (i, n), cfg, optimizer = part, run.cfg, run.optimizer
   # --amp: bfloat16 has float32's range, so no gradient scaler (see docs/tpu.md).
   with torch.autocast('xla', dtype=torch.bfloat16, enabled=cfg.amp):
-    output = model(utils.normalize(images))
+    output = run.model(utils.normalize(images))
     loss = F.cross_entropy(utils.check_scores(output, labels, cfg.num_classes), labels) / n
   loss.backward()  # Added to the gradients of the step's batches before.
   if i == n:
     xm.optimizer_step(optimizer)
     optimizer.zero_grad()  # For the next step's first batch.
-    if scheduler is not None:
-      scheduler.step()
+    if run.scheduler is not None:
+      run.scheduler.step()
   return loss
 
 
@@ -252,8 +267,7 @@ def train_one_epoch(run, loader, epoch, first_step):
       # Named steps in a profile; each batch ends in a sync, so that a step of several holds one
       # batch's activations at a time, and compiles at most three graphs however many there are.
       with xp.StepTrace('train_step', step_num=step):
-        loss = loss + train_step(run.model, run.optimizer, run.scheduler, images,
-                                 labels, cfg, (i, len(batches)))
+        loss = loss + train_step(run, images, labels, (i, len(batches)))
         if i < len(batches):
           continue
         labels = torch.cat([labels for _, labels in batches])
@@ -351,18 +365,14 @@ def end_epoch(run, epoch, accuracy, counts):
 
 
 def train(cfg, stop_signal):
-  """This process's run (stop_signal(): the signal it got, or 0); returns (its results, the
-  exit code) where it finishes, stops or diverges. A run that fails raises: main says why in
-  one line (exit code 2), or app.run prints the traceback of a bug (exit code 1)."""
+  """This process's run; returns (its results, the exit code) where it finishes, stops (when
+  stop_signal() says) or diverges. A run that fails raises (main says why)."""
   torch.manual_seed(cfg.seed)
   rank, world_size, device = 0, 1, torch_xla.device()
   train_loader, test_loader, num_classes = load_data(cfg, rank, world_size)
   run = start_run(cfg, num_classes, train_loader.steps, stop_signal)
   results = run.results
-  prefetch = {name: getattr(cfg, name) for name in (
-      'loader_prefetch_size', 'device_prefetch_size', 'host_to_device_transfer_threads')}
-  train_device_loader = pl.MpDeviceLoader(train_loader, device, **prefetch)
-  test_device_loader = pl.MpDeviceLoader(test_loader, device, **prefetch)
+  train_device_loader, test_device_loader = device_loaders((train_loader, test_loader), cfg)
   if run.epoch <= cfg.num_epochs:  # Else: 'Run already finished'.
     xm.master_print(f'Device {device}; compiling the first step ...', flush=True)
   try:
@@ -413,7 +423,8 @@ def main(argv):
     try:
       if supervisor:  # What runs, said first; bad input in one line.
         supervisor.check_job(cfg, build_datasets, build_model, FAKE_CLASSES,
-                             {name for name in FLAGS if FLAGS[name].present})
+                             {name for name in FLAGS if FLAGS[name].present},
+                             build_optimizer=build_optimizer)
       utils.use_compile_cache(cfg.compile_cache_dir)  # Before the first computation.
       results, code = train(cfg, utils.stop_signal)
       utils.write_results(cfg.results_json, results)

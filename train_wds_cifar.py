@@ -40,7 +40,6 @@ import math
 import os
 import random
 import re
-import shlex
 import socket
 import sys
 import tarfile
@@ -309,6 +308,14 @@ class Views:
     return image if image.shape[-2:] == (self.side, self.side) else self.centre(image)
 
 
+def build_optimizer(cfg, model):
+  """The optimizer of the model's parameters: SGD with --lr, --momentum and --weight_decay. Put
+  yours here (docs/adapt.md shows AdamW); a restore gives back its state_dict whatever it holds.
+  A flag value it cannot take: raise utils.UsageError (one `error:` line, exit code 2)."""
+  return torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum,
+                         weight_decay=cfg.weight_decay)
+
+
 def build_model(cfg, num_classes):
   """The model to train: a torch.nn.Module from a float batch (N, 3, img_dim, img_dim) to
   logits (N, num_classes); the shards' uint8 images are normalised in the step, on the
@@ -388,17 +395,17 @@ class TrainShards(torch.utils.data.IterableDataset):
   batch_size, shuffle_buffer, img_dim, num_classes, seed, fail_on_bad_data). A worker whose
   shards run out reads them again until the epoch has its batches: every replica runs the
   same steps. The loader workers live through the run (spawned by a replica, each costs
-  seconds), so the epoch and first step, and each worker's counts of bad data, re-read
+  seconds), so the epoch and first batch, and each worker's counts of bad data, re-read
   samples and samples its shards lack, are in shared memory."""
 
   def __init__(self, urls, rank, world_size, batches, cfg):
     self.urls, self.rank, self.world_size, self.batches, self.cfg = urls, rank, world_size, batches, cfg
     self.views = Views(cfg.img_dim)
-    self.epoch_and_step = torch.zeros(2, dtype=torch.int64).share_memory_()
+    self.epoch_and_batch = torch.zeros(2, dtype=torch.int64).share_memory_()
     self.counts = torch.zeros(max(1, cfg.num_workers), 3, dtype=torch.int64).share_memory_()
 
-  def set_epoch(self, epoch, first_step=0):
-    self.epoch_and_step[:] = torch.tensor([epoch, first_step])
+  def set_epoch(self, epoch, first_batch=0):
+    self.epoch_and_batch[:] = torch.tensor([epoch, first_batch])
     self.counts.zero_()
 
   def read_counts(self):
@@ -438,16 +445,16 @@ class TrainShards(torch.utils.data.IterableDataset):
 
   def __iter__(self):
     worker, num_workers = worker_share()
-    epoch, first_step = self.epoch_and_step.tolist()
+    epoch, first_batch = self.epoch_and_batch.tolist()
     seed = self.cfg.seed
     bad = BadData(self.cfg.fail_on_bad_data, self.counts[:, 0], worker)
     # The DataLoader takes batch i from worker i % num_workers: this worker makes its share
     # of the epoch and stops, instead of reading on for batches nobody takes. A worker whose
-    # first turn falls below first_step (a resumed run) sends None there (the loader drops
-    # it), so that the batches after first_step come in their usual order.
+    # first turn falls below first_batch (a resumed run) sends None there (the loader drops
+    # it), so that the batches after first_batch come in their usual order.
     share = len(range(worker, self.batches, num_workers))
-    skip = len(range(worker, first_step, num_workers))
-    if worker < first_step % num_workers:
+    skip = len(range(worker, first_batch, num_workers))
+    if worker < first_batch % num_workers:
       yield None
     rng = random.Random(f'{seed}/{epoch}/{self.rank}/{worker}')  # Shard order and shuffle.
     batches = wds.batched(self.cfg.batch_size, collation_fn=None, partial=False)(
@@ -561,6 +568,14 @@ def load_data(cfg, rank, world_size):
                             cfg.num_steps or sys.maxsize), cfg.num_classes)
 
 
+def device_loaders(loaders, cfg):
+  """An MpDeviceLoader of each loader: its batches copied to the device by threads of its own,
+  ahead of the steps that take them (--loader_prefetch_size and the next two flags)."""
+  prefetch = {name: getattr(cfg, name) for name in (
+      'loader_prefetch_size', 'device_prefetch_size', 'host_to_device_transfer_threads')}
+  return [pl.MpDeviceLoader(loader, torch_xla.device(), **prefetch) for loader in loaders]
+
+
 # ------------------------------------------------------------------------------ loop
 def start_run(cfg, num_classes, steps_per_epoch, stop_signal):
   """Model, optimizer, LR schedule, log, stop vote and results of this replica, restored from
@@ -569,8 +584,7 @@ def start_run(cfg, num_classes, steps_per_epoch, stop_signal):
   cfg.num_classes = num_classes  # train_step checks the model's output against it.
   model = build_model(cfg, num_classes).to(device)
   xm.broadcast_master_param(model)  # Every replica starts from the master's weights.
-  optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum,
-                              weight_decay=cfg.weight_decay)
+  optimizer = build_optimizer(cfg, model)
   scheduler = None
   if cfg.lr_scheduler_type == 'WarmupAndExponentialDecayScheduler':
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: utils.warmup_step_decay(
@@ -594,20 +608,20 @@ def start_run(cfg, num_classes, steps_per_epoch, stop_signal):
   return run
 
 
-def train_step(model, optimizer, scheduler, images, labels, cfg, part=(1, 1)):
+def train_step(run, images, labels, part=(1, 1)):
   """Adds the gradients of the batch's loss to the weights'; on the last batch of a step (part: i
   of n, n --gradient_accumulation_steps), steps. Returns the loss / n."""
-  i, n = part
+  (i, n), cfg, optimizer = part, run.cfg, run.optimizer
   # --amp: bfloat16 has float32's range, so no gradient scaler (see docs/tpu.md).
   with torch.autocast('xla', dtype=torch.bfloat16, enabled=cfg.amp):
-    output = model(utils.normalize(images, *mean_std(cfg.img_dim)))
+    output = run.model(utils.normalize(images, *mean_std(cfg.img_dim)))
     loss = F.cross_entropy(utils.check_scores(output, labels, cfg.num_classes), labels) / n
   loss.backward()  # Added to the gradients of the step's batches before.
   if i == n:
     xm.optimizer_step(optimizer)  # All-reduces the gradients over every replica, then steps.
     optimizer.zero_grad()  # For the next step's first batch.
-    if scheduler is not None:
-      scheduler.step()
+    if run.scheduler is not None:
+      run.scheduler.step()
   return loss
 
 
@@ -628,8 +642,7 @@ def train_one_epoch(run, loader, epoch, first_step):
       # Named steps in a profile; each batch ends in a sync, so that a step of several holds one
       # batch's activations at a time, and compiles at most three graphs however many there are.
       with xp.StepTrace('train_step', step_num=step):
-        loss = loss + train_step(run.model, run.optimizer, run.scheduler, images,
-                                 labels, cfg, (i, len(batches)))
+        loss = loss + train_step(run, images, labels, (i, len(batches)))
         if i < len(batches):
           continue
         labels = torch.cat([labels for _, labels in batches])
@@ -728,18 +741,14 @@ def end_epoch(run, epoch, accuracy, counts):
 
 
 def train(cfg, stop_signal):
-  """This process's run (stop_signal(): the signal it got, or 0); returns (its results, the
-  exit code) where it finishes, stops or diverges. A replica that fails raises: utils.replica,
-  in _mp_fn, says why and ends the run (exit code 2, or 1 and a traceback for a bug)."""
+  """This process's run; returns (its results, the exit code) where it finishes, stops (when
+  stop_signal() says) or diverges. A replica that fails raises (utils.replica ends the run)."""
   torch.manual_seed(cfg.seed)
   rank, world_size, device = xr.global_ordinal(), xr.world_size(), torch_xla.device()
   train_loader, test_loader, num_classes = load_data(cfg, rank, world_size)
   run = start_run(cfg, num_classes, train_loader.steps, stop_signal)
   results = run.results
-  prefetch = {name: getattr(cfg, name) for name in (
-      'loader_prefetch_size', 'device_prefetch_size', 'host_to_device_transfer_threads')}
-  train_device_loader = pl.MpDeviceLoader(train_loader, device, **prefetch)
-  test_device_loader = pl.MpDeviceLoader(test_loader, device, **prefetch)
+  train_device_loader, test_device_loader = device_loaders((train_loader, test_loader), cfg)
   if run.epoch <= cfg.num_epochs:  # Else: 'Run already finished'.
     xm.master_print(f'Replicas started: {world_size}; compiling the first step ...', flush=True)
   try:
@@ -844,11 +853,12 @@ def main(argv):
       seen = {flag: supervisor.check_format(flag, urls[0], lambda urls, on_bad: read_samples(
                   urls, parse, cfg.num_classes, on_bad, cfg.read_timeout)) if urls else []
               for flag, urls in found.items()}
-      print(describe_data(cfg, classes, seen))
-      print(supervisor.describe_model(cfg.model, build_model(cfg, cfg.num_classes), cfg.num_classes))
+      print(supervisor.describe_shards(cfg, classes, seen, FLAGS['num_classes'].present))
+      model = build_model(cfg, cfg.num_classes)
+      print(supervisor.describe_model(cfg.model, model, cfg.num_classes))
       given = {name for name in FLAGS if FLAGS[name].present}
-      print(supervisor.describe_recipe(cfg, supervisor.recipe_source(given, recipe_name, settings)),
-            flush=True)
+      print(supervisor.describe_recipe(cfg, supervisor.recipe_source(given, recipe_name, settings),
+                                       build_optimizer(cfg, model)), flush=True)
       supervisor.check_outputs(cfg.ckpt_dir, cfg.logdir, cfg.results_json, cfg.compile_cache_dir,
                                cfg.profile_logdir if cfg.profile_step is not None else None)
   except utils.UsageError as e:
@@ -887,59 +897,8 @@ def shard_classes(pattern):
     raise utils.UsageError(f'cannot read {name} ({e}): check it, or give --num_classes') from None
 
 
-def describe_data(cfg, classes, seen):
-  """The Data line: what the run trains on; seen: {flag: the labels of the samples the start
-  check read}, said if all lie below a count of classes that nothing gave (3 classes, say)."""
-  train, test = (len(list(braceexpand.braceexpand(pattern)))
-                 for pattern in (cfg.wds_traindir, cfg.wds_testdir))
-  test_samples = f'{cfg.testsize:,} evaluation samples' if cfg.testsize else 'the evaluation samples'
-  source = ('--num_classes' if FLAGS['num_classes'].present else
-            'the classes file beside the training shards' if classes else
-            "CIFAR-10's; give --num_classes for other shards")
-  labels = [label for split in seen.values() for label in split]
-  if source.startswith('CIFAR') and labels and max(labels) < cfg.num_classes - 1:
-    source += (f'; the labels seen are {min(labels)} to {max(labels)}, in the first ' + ' and '.join(
-        f'{len(split)} {"training" if flag == "wds_traindir" else "evaluation"}'
-        for flag, split in seen.items() if split) + ' samples')
-  return (f'Data: {cfg.trainsize:,} training samples in {plural(train, "shard")} and '
-          f'{test_samples} in {test}, at 3x{cfg.img_dim}x{cfg.img_dim} uint8, {cfg.num_classes} '
-          f'classes ({source})')
-
-
 def plural(count, noun):
   return f'{count} {noun}' + ('' if count == 1 else 's')
-
-
-def parse_argv(argv):
-  """utils.parse_flags with the flags of other scripts said (ELSEWHERE); but first a shard pattern
-  left unquoted, which the shell expands into many arguments: absl would say `unexpected
-  arguments`, or keep the last of many --wds_traindir=... without a word."""
-  given, flag = {'wds_traindir': [], 'wds_testdir': []}, None
-  for arg in argv[1:argv.index('--') if '--' in argv else len(argv)]:
-    name, equals, value = arg.lstrip('-').partition('=')
-    if arg.startswith('-'):
-      flag = name if name in given and not equals else None  # Its value: the next argument(s).
-      given.get(name, []).extend([value] if equals else [])
-    elif flag:
-      given[flag].append(arg)
-  for name, values in given.items():
-    shards = [value for value in values if re.search(r'\.(tar|tgz|tar\.gz)$', value)]
-    if len(set(shards)) > 1:
-      utils.die(f'--{name}: the shell expanded its shard pattern into {len(shards)} names ('
-                f'{shards[0]} ... {shards[-1]}): quote it, as in --{name} '
-                f'{shlex.quote(brace_pattern(shards))}')
-  return utils.parse_flags(argv, {**(supervisor.UPSTREAM_FLAGS if supervisor else {}), **ELSEWHERE})
-
-
-def brace_pattern(names):
-  """The {first..last} pattern (or {a,b,...}) that the shell expands to these names."""
-  prefix = re.sub(r'\d+$', '', os.path.commonprefix(names))
-  suffix = re.sub(r'^\d+', '', os.path.commonprefix([name[::-1] for name in names])[::-1])
-  middles = [name[len(prefix):len(name) - len(suffix)] for name in names]
-  if all(middle.isdigit() for middle in middles) and [int(middle) for middle in middles] == list(
-      range(int(middles[0]), int(middles[0]) + len(middles))):
-    return f'{prefix}{{{middles[0]}..{middles[-1]}}}{suffix}'
-  return f'{prefix}{{{",".join(middles)}}}{suffix}'
 
 
 def run(argv):
@@ -971,13 +930,13 @@ class BadShard(Exception):
   """A shard that is missing or cannot be read to the end, saying which and why."""
 
 
-def read_samples(urls, parse, num_classes, on_bad, read_timeout):
-  """(where, *parse(sample, num_classes)) of every sample of the shards in turn, `where` naming
-  it in a message; parse is the script's hook. Each failure is handed to on_bad
-  as an exception that says what and where (BadShard; parse's BadSample or ForeignSample),
+def read_samples(urls, parser, num_classes, on_bad, read_timeout):
+  """(where, *parser(sample, num_classes)) of every sample of the shards in turn, `where` naming
+  it in a message; parser: the script's parse, or a copier's. Each failure is handed to on_bad
+  as an exception that says what and where (BadShard; parser's BadSample or ForeignSample),
   which raises or counts it, and reading goes on: a bad sample is skipped, the rest of its
   shard read. But a server that failed DOWN_AFTER shards in a row is down, and ends the run.
-  Whose failure it is, the data's or the server's: failure(). Anything else that parse raises
+  Whose failure it is, the data's or the server's: failure(). Anything else that parser raises
   is a bug of its code, raised as it is, as is one of this code."""
   failed = []  # Shards in a row that their server failed.
   for url in urls:
@@ -989,7 +948,7 @@ def read_samples(urls, parse, num_classes, on_bad, read_timeout):
           on_bad(held)
         where, held = f'sample {sample["__key__"]} of {url}', None
         try:
-          parsed = parse(sample, num_classes)  # Outside the shard's reading: not its errors.
+          parsed = parser(sample, num_classes)  # Outside the shard's reading: not its errors.
         except BadSample as e:
           held = e.at(where)
           continue
@@ -1341,7 +1300,10 @@ if __name__ == '__main__':
     run(sys.argv[1:])
   else:
     flags.mark_flags_as_required(REQUIRED_FLAGS)  # Not at import: benchmarks and tests import it.
-    app.run(main, flags_parser=parse_argv)
+    # A shard pattern left unquoted, which the shell expanded, is said first (supervisor.py).
+    app.run(main, flags_parser=lambda argv: utils.parse_flags(
+        supervisor.unquoted_patterns(argv, ('wds_traindir', 'wds_testdir')) if supervisor else argv,
+        {**(supervisor.UPSTREAM_FLAGS if supervisor else {}), **ELSEWHERE}))
 elif __name__ == '__mp_main__':
   # A replica imports this file in its main thread, the only one that may catch a signal.
   utils.stop_on_signals()

@@ -1,8 +1,9 @@
 # SPDX-License-Identifier: BSD-3-Clause
 """What every process of a training run does, whichever script it runs: one-line errors and
 exit codes; the data (the split across replicas, seeded samples, loaders, normalisation on the
-device); the log and results; checkpoints; the stop every replica agrees on. It reads no FLAGS:
-a copied script needs it and nothing else (supervisor.py, command.py: optional)."""
+device); the log and results; files and buckets; checkpoints; the stop every replica agrees
+on. It reads no FLAGS: a copied script needs it and nothing else (supervisor.py, command.py:
+optional)."""
 
 import asyncio
 import collections
@@ -124,14 +125,18 @@ def last_line():
 
 def parse_flags(argv, elsewhere=None):
   """Flags parser for app.run: a bad flag is one line and exit code 2, as argparse does.
-  elsewhere: {flag of another script: what to say instead of absl's guess}."""
+  elsewhere: {flag of another script, or FLAG=VALUE of another's: what to say instead of absl's
+  guess or its list of the values this one takes}."""
   try:
     rest = flags.FLAGS(argv)
   except SystemExit:  # absl's --help (in a --flagfile, say) prints, then exits 1.
     sys.exit(0)
   except flags.Error as e:
-    known = isinstance(e, flags.UnrecognizedFlagError) and e.flagname in (elsewhere or {})
-    die(f'--{e.flagname}: {elsewhere[e.flagname]}' if known else f'{e} (see --helpshort)')
+    given = isinstance(e, flags.IllegalFlagValueError) and re.match(r'flag --(\S+?): ', str(e))
+    name = given[1] if given else getattr(e, 'flagname', None)
+    known = (given or isinstance(e, flags.UnrecognizedFlagError)) and name in (elsewhere or {})
+    die(f'{"flag " * bool(given)}--{name}: {elsewhere[name]}' if known else
+        f'{e} (see --helpshort)')
   if len(rest) > 1:
     die(f'unexpected arguments {rest[1:]}: every option is a --flag (see --helpshort)')
   largest = torch.finfo(torch.float32).max  # A float flag on the device (--lr 1e39: inf there)
@@ -354,17 +359,34 @@ def _channel_constants(mean, std, device):
           torch.tensor([1 / (255 * s) for s in std], device=device).view(-1, 1, 1))
 
 
+def check_scores(output, labels, num_classes):
+  """The model's output for a batch, if it is a score for each class and the labels a class
+  each: else a UsageError naming the shape and the one expected (a shape is known as the step is
+  traced: no wait)."""
+  if labels.dim() != 1 or labels.dtype.is_floating_point:
+    raise UsageError(f'the labels of a batch of {len(labels)} are {labels.dtype} of shape '
+                     f'{tuple(labels.shape)}: expected ({len(labels)},), an integer class each; '
+                     "fix build_datasets' labels (an int each, or a tensor of shape ())")
+  expected = (labels.shape[0], num_classes)
+  if tuple(output.shape) != expected:
+    raise UsageError(f'the model returns outputs of shape {tuple(output.shape)} for a batch of '
+                     f'{labels.shape[0]}: expected {expected}, a score for each of the '
+                     f'{num_classes} classes; fix build_model, or the class count build_datasets '
+                     'returns')
+  return output
+
+
 class EpochSampler(torch.utils.data.DistributedSampler):
-  """This replica's share of an epoch from set_epoch's first step on, ordered by (seed, epoch),
+  """This replica's share of an epoch from set_epoch's first batch on, ordered by (seed, epoch),
   each index with its augmentation's seed; a remainder is dropped, not repeated elsewhere."""
 
   def __init__(self, dataset, rank, world_size, seed, batch_size):
     super().__init__(dataset, world_size, rank, shuffle=True, seed=seed, drop_last=True)
     self.batch_size, self.skip = batch_size, 0
 
-  def set_epoch(self, epoch, first_step=0):
+  def set_epoch(self, epoch, first_batch=0):
     super().set_epoch(epoch)
-    self.skip = first_step * self.batch_size
+    self.skip = first_batch * self.batch_size
 
   def __len__(self):
     return super().__len__() - self.skip
@@ -411,12 +433,12 @@ def eval_share(dataset, rank, world_size, batch_size):
 
 class EpochLoader:
   """At most `steps` steps of per_step batches of loader an epoch (num_batches in all), from
-  set_epoch's first step on (`order` skips the trained ones; None batches are dropped):
+  set_epoch's first step on (`order` skips the batches trained; None batches are dropped):
   leaving MpDeviceLoader's loop early would leave a thread behind. check() raises the loader
   error MpDeviceLoader swallows."""
 
   def __init__(self, loader, steps, order=None, per_step=1):
-    self.loader, self.order, self.first_step, self.error = loader, order, 0, None
+    self.loader, self.order, self.first_batch, self.error = loader, order, 0, None
     self.epoch = None  # The training epoch (set_epoch), named if a loader worker dies.
     try:
       self.steps = min(len(loader) // per_step, steps)
@@ -429,22 +451,22 @@ class EpochLoader:
 
   def set_epoch(self, epoch, first_step=0):
     """first_step: in steps, of per_step batches each."""
+    self.first_batch, self.epoch = first_step * self.per_step, epoch
     if self.order is not None:
-      self.order.set_epoch(epoch, first_step * self.per_step)
-    self.first_step, self.epoch = first_step * self.per_step, epoch
+      self.order.set_epoch(epoch, self.first_batch)
 
   def __iter__(self):
     self.error = iterator = None
-    if self.first_step >= self.num_batches:
-      if self.first_step > self.num_batches:  # A resume after a flag that decides them changed.
-        xm.master_print(f'warning: the run resumed after step {self.first_step // self.per_step} '
+    if self.first_batch >= self.num_batches:
+      if self.first_batch > self.num_batches:  # A resume after a flag that decides them changed.
+        xm.master_print(f'warning: the run resumed after step {self.first_batch // self.per_step} '
                         f'of an epoch that has {self.steps} step{"s" * (self.steps != 1)} now: it '
                         'trains none of them; the epoch ends here', fd=sys.stderr, flush=True)
       return  # Without starting loader workers for nothing.
     try:  # islice: no batch past the cap is asked for (or read, or counted).
       iterator = self.start()
       batches = (batch for batch in iterator if batch is not None)
-      yield from itertools.islice(batches, self.num_batches - self.first_step)
+      yield from itertools.islice(batches, self.num_batches - self.first_batch)
     except Exception as e:
       said = isinstance(e, (UsageError, BadDataError))  # A worker's own, sent back whole.
       self.error = (not said and self.worker_death(iterator)) or e
@@ -658,23 +680,6 @@ def check_learning(log, epoch, num_classes, lr, default_lr):
                     'BatchNorm often needs', fd=sys.stderr, flush=True)
 
 
-def check_scores(output, labels, num_classes):
-  """The model's output for a batch, if it is a score for each class and the labels a class
-  each: else a UsageError naming the shape and the one expected (a shape is known as the step is
-  traced: no wait)."""
-  if labels.dim() != 1 or labels.dtype.is_floating_point:
-    raise UsageError(f'the labels of a batch of {len(labels)} are {labels.dtype} of shape '
-                     f'{tuple(labels.shape)}: expected ({len(labels)},), an integer class each; '
-                     "fix build_datasets' labels (an int each, or a tensor of shape ())")
-  expected = (labels.shape[0], num_classes)
-  if tuple(output.shape) != expected:
-    raise UsageError(f'the model returns outputs of shape {tuple(output.shape)} for a batch of '
-                     f'{labels.shape[0]}: expected {expected}, a score for each of the '
-                     f'{num_classes} classes; fix build_model, or the class count build_datasets '
-                     'returns')
-  return output
-
-
 def write_results(path, results):
   """Writes results as JSON to a local path or URL, atomically."""
   if path:
@@ -686,6 +691,7 @@ def write_results(path, results):
       raise UsageError(f'cannot write --results_json {path} ({e})') from None
 
 
+# ------------------------------------------------------------------------ files and buckets
 def url_fs(url, seconds=None):
   """(file system, path) of a URL, with fs_options's deadlines."""
   return fsspec.core.url_to_fs(url, **fs_options(url, seconds))
@@ -731,7 +737,11 @@ def write_atomically(data, url):
 # remove}, those there as it claimed the folder and those it wrote (see claim_folder).
 _ours = {}
 _locks = {}  # {lock file: its descriptor}, held until this process ends.
-_best = {}  # {ckpt_dir: the global step of the folder of shards its best.pt names}
+
+
+def is_master():
+  """Whether this process writes checkpoints and results: replica 0, or process 0 (SPMD)."""
+  return xr.process_index() == 0 if xr.is_spmd() else xm.is_master_ordinal(local=False)
 
 
 def claim_folder(ckpt_dir, hold=True):
@@ -767,30 +777,26 @@ def claim_folder(ckpt_dir, hold=True):
     _ours[ckpt_dir] = set(list_checkpoints(ckpt_dir))
 
 
-def list_checkpoints(ckpt_dir, folders=False):
-  """{global_step: path} of the checkpoints in ckpt_dir (folders: of their folders of shards)."""
+def list_checkpoints(ckpt_dir):
+  """{global_step: path} of the checkpoint files in ckpt_dir."""
   fs, path = url_fs(ckpt_dir)
   try:
     names = [name.rsplit('/', 1)[-1] for name in fs.ls(path, detail=False)
              ] if fs.exists(path) else []
   except asyncio.TimeoutError:
     raise BucketTimeout(f'cannot list --ckpt_dir {ckpt_dir}') from None
-  pattern = re.compile(r'^ckpt-(\d+)$' if folders else r'^ckpt-(\d+)\.pt$')
   return {int(m.group(1)): f'{ckpt_dir.rstrip("/")}/{m.group(0)}'
-          for m in map(pattern.match, names) if m}
+          for m in map(re.compile(r'^ckpt-(\d+)\.pt$').match, names) if m}
 
 
 def write_checkpoint(state, ckpt_dir, keep, best, shards=None):
   """Saves ckpt_dir/ckpt-GLOBALSTEP.pt (and best.pt), keeping the `keep` newest up to it, and
   returns its path. Every replica calls it; the master writes; all wait until it is whole.
-  shards(folder), if given, writes what each host holds of the sharded tensors, on every host,
-  into the folder beside the file (ckpt-GLOBALSTEP/), which the file then names: a checkpoint
-  once its file is there, so whole or ignored as a file is."""
+  shards(path), the SPMD scripts' (sharded_checkpoints.py), writes what each host holds beside
+  the file, on every host, once the folder is known to be this run's and before the file."""
   torch_xla.sync()  # Runs the step still being traced, so that saving only copies data.
   master = is_master()
   path = f'{ckpt_dir.rstrip("/")}/ckpt-{state["global_step"]:08d}.pt'
-  if shards:
-    state = dict(state, shards=path.rsplit('/', 1)[-1][:-len('.pt')])
   buffer = io.BytesIO() if master else None
   # SPMD: every host holds the whole (replicated) state; process 0 copies it out and writes.
   if master or not xr.is_spmd():
@@ -803,10 +809,8 @@ def write_checkpoint(state, ckpt_dir, keep, best, shards=None):
       raise UsageError(f'--ckpt_dir {ckpt_dir} holds {theirs.rsplit("/", 1)[-1]}, which this run '
                        'did not write: another run writes there (nothing of it was replaced); '
                        'give each run its own --ckpt_dir')
-    # The folder of shards best.pt names stays while it does, its file rotated out or not.
-    named = (_best[ckpt_dir] if ckpt_dir in _best else best_shards(ckpt_dir)) if shards else None
   if shards:
-    shards(path[:-len('.pt')])
+    shards(path)
   if master:
     try:
       write_atomically(buffer.getvalue(), path)
@@ -819,22 +823,12 @@ def write_checkpoint(state, ckpt_dir, keep, best, shards=None):
       raise UsageError(f'cannot write checkpoint {path} ({e}): free space in --ckpt_dir or '
                        'give another; the checkpoints already there are kept') from None
     ours.add(state['global_step'])
-    if shards:
-      _best[ckpt_dir] = state['global_step'] if best else named
-      if best and named is not None and named not in ours:  # Kept for best.pt alone.
-        remove(f'{ckpt_dir.rstrip("/")}/ckpt-{named:08d}')
     # Only older ones: a newer one (a resume passed over it as unreadable) stays until replaced.
     kept = sorted(step for step in ours if step <= state['global_step'])[-keep:]
     for step in sorted(step for step in ours if step < kept[0]):
       if step in saved:
         remove(saved[step])
-        if shards and step != _best[ckpt_dir]:
-          remove(saved[step][:-len('.pt')])
       ours.discard(step)
-    if shards:  # Folders of saves cut short (no file names them), older than those kept.
-      for step, folder in list_checkpoints(ckpt_dir, folders=True).items():
-        if step < kept[0] and step not in ours and step != _best[ckpt_dir]:
-          remove(folder)
     print(f'Saved checkpoint {path}', flush=True)
   if xr.world_size() > 1:
     xm.rendezvous('checkpoint_saved')
@@ -842,7 +836,7 @@ def write_checkpoint(state, ckpt_dir, keep, best, shards=None):
 
 
 def remove(url):
-  """Removes a checkpoint's file or folder of shards."""
+  """Removes a checkpoint's file (or folder)."""
   fs, path = url_fs(url)
   try:
     fs.rm(path, recursive=True)
@@ -850,22 +844,6 @@ def remove(url):
     pass  # Gone already (a folder the listing still named).
   except asyncio.TimeoutError:
     raise BucketTimeout(f'cannot remove the old checkpoint {url}') from None
-
-
-def best_shards(ckpt_dir):
-  """The global step of the folder of shards that ckpt_dir/best.pt names, or None (no best.pt,
-  or one cut short). A read that fails is a UsageError: no folder is removed on a guess."""
-  path = f'{ckpt_dir.rstrip("/")}/best.pt'
-  fs, where = url_fs(path)
-  try:
-    if not fs.exists(where):
-      return None
-  except asyncio.TimeoutError:
-    raise BucketTimeout(f'cannot read checkpoint {path}') from None
-  try:
-    return load_checkpoint(path)['global_step']
-  except UnreadableCheckpoint:
-    return None
 
 
 class UnreadableCheckpoint(UsageError):
@@ -1171,11 +1149,6 @@ def whole_lines():
   for stream in (sys.stdout, sys.stderr):
     if isinstance(stream, io.TextIOWrapper):
       stream.reconfigure(line_buffering=True, write_through=False)
-
-
-def is_master():
-  """Whether this process writes checkpoints and results: replica 0, or process 0 (SPMD)."""
-  return xr.process_index() == 0 if xr.is_spmd() else xm.is_master_ordinal(local=False)
 
 
 def record_stop(results, signum, global_step, checkpoint=None):

@@ -194,7 +194,7 @@ def checkpoint_costs(tmp, name):
 SHARDED_COSTS = """
 import json, pathlib, sys, time, types
 import torch, torch.nn.functional as F, torch_xla, torch_xla.core.xla_model as xm
-import train_resnet_spmd as script, utils
+import sharded_checkpoints, train_resnet_spmd as script, utils
 script.FLAGS(['costs', '--fake_data', '--model', sys.argv[1], '--lr', '0.1'])
 script.xr.use_spmd()
 rows = []
@@ -215,7 +215,7 @@ for kind in ('one file', 'batch', 'fsdp'):
                rng=dict(torch=torch.get_rng_state(), xla=xm.get_rng_state()))
   folder = pathlib.Path(sys.argv[2], kind.replace(' ', '-'))
   start = time.perf_counter()
-  write = utils.write_checkpoint if kind == 'one file' else script.write_sharded
+  write = utils.write_checkpoint if kind == 'one file' else sharded_checkpoints.write_sharded
   path = write(state, str(folder), 2, False)
   save = time.perf_counter() - start
   start = time.perf_counter()
@@ -223,7 +223,7 @@ for kind in ('one file', 'batch', 'fsdp'):
   if kind == 'one file':
     model.load_state_dict(saved['model'])
   else:
-    saved = script.read_sharded(saved, model, optimizer)
+    saved = sharded_checkpoints.read_sharded(saved, script.weights(model), optimizer)
   optimizer.load_state_dict(saved['optimizer'])
   xm.wait_device_ops()
   load = time.perf_counter() - start

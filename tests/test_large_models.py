@@ -207,7 +207,9 @@ def test_sharding_mistakes_are_one_line_naming_what_to_give(tmp_path):
   for args, message in [
       (['--sharding', 'spatial'], r"^error: flag --sharding=spatial: upstream's spatial, conv and "
        r'linear shard one layer\'s activations as demonstrations; a model larger than one chip '
-       r'trains with --sharding fsdp \(hybrid across slices\) \(see --helpshort\)$'),
+       r'trains with --sharding fsdp \(hybrid across slices\)$'),
+      (['--sharding', 'tensor'], r'^error: flag --sharding=tensor: value should be one of '
+       r'<batch\|fsdp\|hybrid> \(see --helpshort\)$'),
       (['--sharding', 'hybrid'], r'^error: flags sharding=hybrid, fsdp_size=None: --sharding hybrid takes '
        r'--fsdp_size N'),
       (['--sharding', 'hybrid', '--fsdp_size', 3, '--fake_data', '--model', 'resnet18',
@@ -225,20 +227,22 @@ def test_sharding_mistakes_are_one_line_naming_what_to_give(tmp_path):
                    r'of this script as it is now, or another --ckpt_dir$')
 
 
-# utils.write_checkpoint's rotation of sharded checkpoints, six saves in a row (steps 1 to 6,
-# the best at 1 and 4, --keep_checkpoints 2), each folder of "shards" one file, in a folder
-# that holds the shards of a save cut short (step 0, no file): what is left after each.
+# sharded_checkpoints' rotation, six saves in a row (steps 1 to 6, the best at 1 and 4,
+# --keep_checkpoints 2), each folder of "shards" one file, in a folder that holds the shards of
+# a save cut short (step 0, no file) and of a newer one (step 9, which a resume passed over):
+# what is left after each.
 ROTATION = '''
 import json, os, sys
-import utils
+import sharded_checkpoints
 def shards(folder):
   os.makedirs(folder, exist_ok=True)
   open(os.path.join(folder, '__0_0.distcp'), 'w').close()
 ckpt_dir = sys.argv[1]
 shards(os.path.join(ckpt_dir, 'ckpt-00000000'))
+shards(os.path.join(ckpt_dir, 'ckpt-00000009'))
 for step in range(1, 7):
-  utils.write_checkpoint(dict(global_step=step, model={}, flags={}, results={}, epoch=1, step=step),
-                         ckpt_dir, 2, best=step in (1, 4), shards=shards)
+  sharded_checkpoints.write_with_folder(dict(global_step=step, model={}, flags={}, results={},
+                                             epoch=1, step=step), ckpt_dir, 2, step in (1, 4), shards)
   print(json.dumps(sorted(os.listdir(ckpt_dir))))
 '''
 
@@ -251,11 +255,12 @@ def test_sharded_checkpoints_rotate_with_their_folders_and_keep_the_one_best_pt_
   listings = [json.loads(line) for line in result.stdout.splitlines() if line.startswith('[')]
   pairs = lambda *steps: [name for step in steps for name in (f'ckpt-{step:08d}',  # noqa: E731
                                                               f'ckpt-{step:08d}.pt')]
-  assert listings[0] == ['best.pt', *pairs(1)]  # The folder no file named is gone.
-  assert listings[2] == ['best.pt', 'ckpt-00000001', *pairs(2, 3)]  # best.pt's folder stays.
+  newer = 'ckpt-00000009'  # Stays: a newer step's folder.
+  assert listings[0] == ['best.pt', *pairs(1), newer]  # The older folder no file named is gone.
+  assert listings[2] == ['best.pt', 'ckpt-00000001', *pairs(2, 3), newer]  # best.pt's stays.
   # Step 4 is the best now: the folder best.pt alone kept (step 1's) goes.
-  assert listings[3] == ['best.pt', *pairs(3, 4)]
-  assert listings[5] == ['best.pt', 'ckpt-00000004', *pairs(5, 6)]
+  assert listings[3] == ['best.pt', *pairs(3, 4), newer]
+  assert listings[5] == ['best.pt', 'ckpt-00000004', *pairs(5, 6), newer]
   assert torch.load(ckpt_dir / 'best.pt', weights_only=True)['shards'] == 'ckpt-00000004'
 
 
@@ -285,7 +290,7 @@ def test_the_docs_adamw_under_fsdp_resumes_at_any_step_as_the_run_it_goes_on(tmp
   project = tmp_path / 'project'
   project.mkdir()
   (project / SCRIPT).write_text(source.replace(ours, block + '\n\n'))
-  for name in ('utils.py', 'supervisor.py', 'command.py'):
+  for name in ('utils.py', 'sharded_checkpoints.py', 'supervisor.py', 'command.py'):
     (project / name).write_text((REPO / name).read_text())
   args = [sys.executable, SCRIPT, '--fake_data', '--model', 'resnet18', '--img_dim', '16',
           '--batch_size', '2', '--num_steps', '4', '--num_epochs', '2', '--sharding', 'fsdp',
@@ -348,13 +353,13 @@ class _Reduced:
 def test_the_shards_index_takes_an_enum_member_pickled_by_getattr_and_nothing_else():
   # Under Python 3.11.2 the index's _MEM_FORMAT_ENCODING member came as getattr(class, name),
   # and every sharded checkpoint was refused there. Any other getattr is still refused.
-  import train_resnet_spmd
+  import sharded_checkpoints
   from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
   member = next(iter(_MEM_FORMAT_ENCODING))
 
   def load(owner, name):
     data = pickle.dumps(_Reduced(owner, name), protocol=4)  # As torch writes the index.
-    return train_resnet_spmd.ShardsReader.Unpickler(io.BytesIO(data)).load()
+    return sharded_checkpoints.ShardsReader.Unpickler(io.BytesIO(data)).load()
 
   assert load(_MEM_FORMAT_ENCODING, member.name) is member
   for owner, name in ((_MEM_FORMAT_ENCODING, '__class__'), (torch.Size, 'count')):
@@ -377,7 +382,7 @@ mesh = script.build_mesh(cfg, script.xr.global_runtime_device_count(), 1)
 rows = torch.arange(8)
 batch = dict(tokens=rows[:, None] * 100 + torch.arange(5), labels=rows,
              images=rows.float().view(8, 1, 1, 1).expand(8, 3, 4, 4).contiguous())
-for batch in script.sharded([batch], mesh, torch_xla.device(), cfg):
+for batch in script.sharded([batch], mesh, cfg):
   for name, tensor in batch.items():
     shards = xs.XLAShardedTensor(tensor).local_shards
     print(name, [[int(row) for row in shard.data.reshape(len(shard.data), -1)[:, 0]]
@@ -397,3 +402,23 @@ def test_a_batch_of_tokens_is_split_across_the_devices_as_images_are(tmp_path):
   assert result.stdout.splitlines() == [
       'tokens [[0, 100], [200, 300], [400, 500], [600, 700]] [5]', f'labels {quarters} []',
       f'images {quarters} [3, 4, 4]'], result.stdout
+
+
+def test_a_storage_failure_is_one_line_and_a_planners_bug_its_traceback():
+  # What sharded_checkpoints says of a save or load of shards that failed, as dcp raises it
+  # (a CheckpointException holding each rank's exception): the disk's, the network's or a
+  # shard file's failure as one line; anything else (a bug in a planner) as it is.
+  import sharded_checkpoints
+  import utils
+  from torch.distributed.checkpoint.api import CheckpointException
+
+  def said(error):
+    return sharded_checkpoints.shards_error(CheckpointException('write', {0: (error, [])}),
+                                            'cannot write checkpoint F', 'free space')
+  full = said(OSError(28, 'No space left on device'))
+  assert str(full) == ('cannot write checkpoint F (OSError: [Errno 28] No space left on device): '
+                       'free space')
+  cut = said(RuntimeError('[enforce fail at inline_container.cc:664] . unexpected pos 704 vs 598'))
+  assert isinstance(cut, utils.UsageError) and 'unexpected pos 704' in str(cut)
+  for bug in (KeyError('model.fc.weight'), RuntimeError('shape mismatch in the plan'), TypeError()):
+    assert said(bug) is bug

@@ -11,7 +11,7 @@ from conftest import REPO
 SCRIPTS = ['train_resnet_mp.py', 'train_resnet_spmd.py', 'train_single_core.py',
            'train_wds_cifar.py']
 REFERENCE = 'train_resnet_mp.py'  # The others are it, with the differences below.
-FUNCTIONS = ['train_step', 'train_one_epoch', 'evaluate', 'save_checkpoint', 'restore_checkpoint',
+FUNCTIONS = ['build_optimizer', 'train_step', 'train_one_epoch', 'evaluate', 'save_checkpoint', 'restore_checkpoint',
              'stop_run', 'end_epoch', 'train', '_mp_fn']
 MESH = ('train_resnet_spmd.py',)
 ONE_DEVICE = ('train_single_core.py',)
@@ -24,17 +24,27 @@ NO_DDP = MESH + ONE_DEVICE + SHARDS
 DIFFERENCES = [
     (NO_DDP, "--ddp is train_resnet_mp.py's, for torch.distributed code brought to it: the others "
      'step as they did',
-     [("""    if cfg.ddp:  # DDP's backward has all-reduced the gradients.
+     [("""  # --ddp: DDP's wrapper, whose backward all-reduces the gradients, on a step's last batch only
+  # (no_sync before it: each replica adds up its own, n - 1 all-reduces fewer a step).
+  with run.ddp.no_sync() if run.ddp and i < n else contextlib.nullcontext():
+    # --amp: bfloat16 has float32's range, so no gradient scaler (see docs/tpu.md).
+    with torch.autocast('xla', dtype=torch.bfloat16, enabled=cfg.amp):
+      output = (run.ddp or run.model)(utils.normalize(images))
+      loss = F.cross_entropy(utils.check_scores(output, labels, cfg.num_classes), labels) / n
+    loss.backward()  # Added to the gradients of the step's batches before.""",
+       """  # --amp: bfloat16 has float32's range, so no gradient scaler (see docs/tpu.md).
+  with torch.autocast('xla', dtype=torch.bfloat16, enabled=cfg.amp):
+    output = run.model(utils.normalize(images))
+    loss = F.cross_entropy(utils.check_scores(output, labels, cfg.num_classes), labels) / n
+  loss.backward()  # Added to the gradients of the step's batches before."""),
+      ("""    if run.ddp:  # DDP's backward has all-reduced the gradients.
       optimizer.step()
     else:
       xm.optimizer_step(optimizer)  # All-reduces the gradients over every replica, then steps.""",
-       """    xm.optimizer_step(optimizer)  # All-reduces the gradients over every replica, then steps."""),
-      ("""train_step(run.ddp or run.model,""", """train_step(run.model,""")]),
+       """    xm.optimizer_step(optimizer)  # All-reduces the gradients over every replica, then steps.""")]),
     (NO_SPAWN, 'no spawn: one process (a host\'s, or the only one), whose failure main says',
-     [("""A replica that fails raises: utils.replica,
-  in _mp_fn, says why and ends the run (exit code 2, or 1 and a traceback for a bug).""",
-       """A run that fails raises: main says why in
-  one line (exit code 2), or app.run prints the traceback of a bug (exit code 1).""")]),
+     [("""A replica that fails raises (utils.replica ends the run).""",
+       """A run that fails raises (main says why).""")]),
     (MESH, 'the mesh: the loss is the global batch\'s mean; the compiler reduces its gradients',
      [("""    xm.optimizer_step(optimizer)  # All-reduces the gradients over every replica, then steps.""",
        """    # Not xm.optimizer_step: the loss is the global batch's mean, whose gradients the compiler
@@ -43,10 +53,8 @@ DIFFERENCES = [
     (MESH, 'the mesh: a batch is a dict, whose keys MpDeviceLoader shards each their own way',
      [("""    for i, (images, labels) in enumerate(batches, 1):""",
        """    for i, batch in enumerate(batches, 1):"""),
-      ("""        loss = loss + train_step(run.model, run.optimizer, run.scheduler, images,
-                                 labels, cfg, (i, len(batches)))""",
-       """        loss = loss + train_step(run.model, run.optimizer, run.scheduler, batch['images'],
-                                 batch['labels'], cfg, (i, len(batches)))"""),
+      ("""        loss = loss + train_step(run, images, labels, (i, len(batches)))""",
+       """        loss = loss + train_step(run, batch['images'], batch['labels'], (i, len(batches)))"""),
       ("""        labels = torch.cat([labels for _, labels in batches])""",
        """        labels = torch.cat([batch['labels'] for batch in batches])"""),
       ("""    for images, labels in loader:""",
@@ -68,40 +76,34 @@ DIFFERENCES = [
      [("""  # Sums, not a mean of replica accuracies: replicas may hold different numbers of images.
   correct, total = xm.all_reduce(xm.REDUCE_SUM, counts).tolist()""",
        """  correct, total = counts.tolist()""")]),
-    (MESH, 'the mesh: one process per host drives every device of the mesh',
+    (MESH, 'the mesh: one process per host drives every device of the mesh (start_run says it)',
      [("""  rank, world_size, device = xr.global_ordinal(), xr.world_size(), torch_xla.device()
   train_loader, test_loader, num_classes = load_data(cfg, rank, world_size)
   run = start_run(cfg, num_classes, train_loader.steps, stop_signal)
   results = run.results
-  prefetch = {name: getattr(cfg, name) for name in (
-      'loader_prefetch_size', 'device_prefetch_size', 'host_to_device_transfer_threads')}
-  train_device_loader = pl.MpDeviceLoader(train_loader, device, **prefetch)
-  test_device_loader = pl.MpDeviceLoader(test_loader, device, **prefetch)""",
+  train_device_loader, test_device_loader = device_loaders((train_loader, test_loader), cfg)
+  if run.epoch <= cfg.num_epochs:  # Else: 'Run already finished'.
+    xm.master_print(f'Replicas started: {world_size}; compiling the first step ...', flush=True)""",
        """  host, hosts, devices = xr.process_index(), xr.process_count(), xr.global_runtime_device_count()
-  local_devices = xr.addressable_runtime_device_count()
-  mesh = build_mesh(cfg, devices, hosts)
+  mesh, local_devices = build_mesh(cfg, devices, hosts), xr.addressable_runtime_device_count()
   train_loader, test_loader, num_classes = load_data(cfg, host, hosts, local_devices)
   run = start_run(cfg, num_classes, train_loader.steps, stop_signal, mesh)
-  results, device = run.results, torch_xla.device()
-  train_device_loader, test_device_loader = (sharded(loader, mesh, device, cfg)
-                                             for loader in (train_loader, test_loader))"""),
-      ("""    xm.master_print(f'Replicas started: {world_size}; compiling the first step ...', flush=True)""",
-       """    xm.master_print(f'Mesh of {devices} devices ({mesh.mesh_shape[0]} data x '
-                    f'{mesh.mesh_shape[1]} fsdp, --sharding {cfg.sharding}); compiling the first '
-                    'step ...', flush=True)""")]),
+  results = run.results
+  train_device_loader, test_device_loader = sharded((train_loader, test_loader), mesh, cfg)""")]),
     (MESH, 'the mesh: the weights may be sharded, so each host saves and loads its own shards, '
      'under the names of the model unwrapped, and says what each device holds',
      [("""  state = dict(model=run.model.state_dict(), optimizer=run.optimizer.state_dict(),""",
        """  state = dict(model=weights(run.model), optimizer=run.optimizer.state_dict(),"""),
       ("""  return utils.write_checkpoint(state, run.cfg.ckpt_dir, run.cfg.keep_checkpoints, best)""",
-       """  return write_sharded(state, run.cfg.ckpt_dir, run.cfg.keep_checkpoints, best)"""),
+       """  return sharded_checkpoints.write_sharded(state, run.cfg.ckpt_dir, run.cfg.keep_checkpoints,
+                                           best)"""),
       ("""  run.model.load_state_dict(state['model'])""",
-       """  state = read_sharded(state, run.model, run.optimizer)  # The weights in place; the rest returned."""),
+       """  # The weights in place; the rest returned.
+  state = sharded_checkpoints.read_sharded(state, weights(run.model), run.optimizer)"""),
       ("""      results['train_seconds'] += seconds
 """,
        """      results['train_seconds'] += seconds
-      if epoch == run.epoch and steps:  # This mesh's, once the optimizer's state exists.
-        say_held(run)
+      say_held(run, epoch, steps)
 """)]),
     (ONE_DEVICE, 'one device: no replicas, so no gradients to all-reduce and no rates to sum',
      [("""    xm.optimizer_step(optimizer)  # All-reduces the gradients over every replica, then steps.""",

@@ -63,10 +63,10 @@ def test_resumed_epoch_skips_exactly_the_trained_batches_with_the_same_seeds():
     sampler.set_epoch(4)
     whole = list(sampler)
     steps = len(whole) // batch_size
-    for first_step in [0, 1, 8, steps - 1, steps]:
-      sampler.set_epoch(4, first_step)
-      assert len(sampler) == len(whole) - first_step * batch_size
-      assert list(sampler) == whole[first_step * batch_size:]
+    for first_batch in [0, 1, 8, steps - 1, steps]:
+      sampler.set_epoch(4, first_batch)
+      assert len(sampler) == len(whole) - first_batch * batch_size
+      assert list(sampler) == whole[first_batch * batch_size:]
   # Seeds differ by sample and by epoch: every crop is drawn anew.
   seeds = set()
   for epoch in range(1, 4):
