@@ -382,7 +382,7 @@ mesh = script.build_mesh(cfg, script.xr.global_runtime_device_count(), 1)
 rows = torch.arange(8)
 batch = dict(tokens=rows[:, None] * 100 + torch.arange(5), labels=rows,
              images=rows.float().view(8, 1, 1, 1).expand(8, 3, 4, 4).contiguous())
-for batch in script.sharded([batch], mesh, cfg):
+for batch in script.sharded([[batch]], mesh, cfg)[0]:
   for name, tensor in batch.items():
     shards = xs.XLAShardedTensor(tensor).local_shards
     print(name, [[int(row) for row in shard.data.reshape(len(shard.data), -1)[:, 0]]
