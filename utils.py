@@ -578,7 +578,7 @@ class _QuietOnceGone:
     self.stream, self.replica = stream, replica
 
   def write(self, text):
-    if text.startswith(('Traceback', 'Exception in thread')):
+    if text.startswith(('Traceback', 'Exception in thread', 'Exception ignored')):
       self.replica.join(2)
       if not self.replica.is_alive():
         os._exit(128 + signal.SIGKILL)

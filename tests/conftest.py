@@ -33,21 +33,6 @@ XLA_CPU_FLAG = '--xla_backend_optimization_level=1'
 if '--xla_backend_optimization_level' not in os.environ.get('XLA_FLAGS', ''):
   os.environ['XLA_FLAGS'] = f"{os.environ.get('XLA_FLAGS', '')} {XLA_CPU_FLAG}".strip()
 
-# Seconds of a worker each test file takes on 2 cores (.ci/run, roughly). Under `--dist
-# loadfile` the longest files are handed out first (pytest.ini keeps this order with
-# --no-loadscope-reorder; xdist's own puts the files of the most tests first): a long file that
-# starts last would leave the other worker idle while it runs.
-FILE_SECONDS = {'test_wds_cifar.py': 800, 'test_copy.py': 500, 'test_resnet_mp.py': 430,
-                'test_single_core.py': 400, 'test_faults.py': 380, 'test_launch_pod.py': 350,
-                'test_resume.py': 320, 'test_large_models.py': 310, 'test_notebook.py': 310,
-                'test_resnet_spmd.py': 250, 'test_benchmarks.py': 210, 'test_torchrun.py': 100,
-                'test_upstream.py': 90, 'test_gke.py': 85, 'test_shard_writer.py': 75}
-
-
-def pytest_collection_modifyitems(items):
-  items.sort(key=lambda item: -FILE_SECONDS.get(item.path.name, 30))  # Stable: a file's order kept.
-
-
 # Distinct colours: a small CNN tells them apart within a few dozen steps.
 COLOURS = {'blue': (30, 60, 220), 'green': (40, 200, 60), 'red': (220, 40, 40),
            'yellow': (230, 220, 40)}
