@@ -11,7 +11,6 @@ import contextlib
 import enum
 import os
 import pickle
-import re
 import uuid
 
 import fsspec
@@ -63,19 +62,11 @@ def write_with_folder(state, ckpt_dir, keep, best, write):
   if utils.is_master():
     _best[ckpt_dir] = step if best else _best[ckpt_dir] if ckpt_dir in _best else best_step(
         ckpt_dir)
-    fs, where = utils.url_fs(ckpt_dir)
-    try:
-      names = [name.rsplit('/', 1)[-1] for name in fs.ls(where, detail=False)]
-    except asyncio.TimeoutError:
-      raise utils.BucketTimeout(f'cannot list --ckpt_dir {ckpt_dir}') from None
-    named = {_best[ckpt_dir]} | {int(name[5:-3]) for name in names if FILE.match(name)}
-    for name in names:
-      if FOLDER.match(name) and int(name[5:]) < step and int(name[5:]) not in named:
-        utils.remove(f'{ckpt_dir.rstrip("/")}/{name}')
+    named = {_best[ckpt_dir], *utils.list_checkpoints(ckpt_dir)}
+    for older, folder in utils.list_checkpoints(ckpt_dir, suffix='').items():
+      if older < step and older not in named:
+        utils.remove(folder)
   return path
-
-
-FILE, FOLDER = re.compile(r'^ckpt-\d+\.pt$'), re.compile(r'^ckpt-\d+$')
 
 
 def best_step(ckpt_dir):

@@ -777,8 +777,8 @@ def claim_folder(ckpt_dir, hold=True):
     _ours[ckpt_dir] = set(list_checkpoints(ckpt_dir))
 
 
-def list_checkpoints(ckpt_dir):
-  """{global_step: path} of the checkpoint files in ckpt_dir."""
+def list_checkpoints(ckpt_dir, suffix='.pt'):
+  """{global_step: path} of the checkpoint files in ckpt_dir (suffix '': their folders)."""
   fs, path = url_fs(ckpt_dir)
   try:
     names = [name.rsplit('/', 1)[-1] for name in fs.ls(path, detail=False)
@@ -786,7 +786,7 @@ def list_checkpoints(ckpt_dir):
   except asyncio.TimeoutError:
     raise BucketTimeout(f'cannot list --ckpt_dir {ckpt_dir}') from None
   return {int(m.group(1)): f'{ckpt_dir.rstrip("/")}/{m.group(0)}'
-          for m in map(re.compile(r'^ckpt-(\d+)\.pt$').match, names) if m}
+          for m in map(re.compile(rf'^ckpt-(\d+){re.escape(suffix)}$').match, names) if m}
 
 
 def write_checkpoint(state, ckpt_dir, keep, best, shards=None):
