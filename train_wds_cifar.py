@@ -394,9 +394,9 @@ class TrainShards(torch.utils.data.IterableDataset):
   """This replica's shuffled training batches of an epoch, `batches` of them (cfg gives
   batch_size, shuffle_buffer, img_dim, num_classes, seed, fail_on_bad_data). A worker whose
   shards run out reads them again until the epoch has its batches: every replica runs the
-  same steps. The loader workers live through the run (spawned by a replica, each costs
-  seconds), so the epoch and first batch, and each worker's counts of bad data, re-read
-  samples and samples its shards lack, are in shared memory."""
+  same steps. The loader workers live through the run (persistent_workers), so the epoch and
+  first batch, and each worker's counts of bad data, re-read samples and samples its shards
+  lack, are in shared memory."""
 
   def __init__(self, urls, rank, world_size, batches, cfg):
     self.urls, self.rank, self.world_size, self.batches, self.cfg = urls, rank, world_size, batches, cfg

@@ -79,9 +79,7 @@ class BadDataError(Exception):
     return super().__str__().strip().splitlines()[-1].split('BadDataError: ')[-1]
 
 
-class BucketTimeout(UsageError):
-  """A bucket that did not answer a request within BUCKET_SECONDS (see url_fs)."""
-
+class BucketTimeout(UsageError):  # A request to a bucket over BUCKET_SECONDS (fs_options)
   def __str__(self):
     return (f'{self.args[0]}: a request to the bucket took over {BUCKET_SECONDS:g} s; check the '
             'network, then run the same command again')
@@ -154,8 +152,7 @@ def redefinable(flag_values):
     flag_values[name].allow_override = True
 
 
-def in_notebook():
-  """Whether this process is an IPython kernel or shell (`%run script.py` in a notebook)."""
+def in_notebook():  # An IPython kernel or shell: `%run script.py` in a notebook.
   return 'IPython' in sys.modules and sys.modules['IPython'].get_ipython() is not None
 
 
@@ -177,10 +174,8 @@ def use_compile_cache(cache_dir, process=None):
 
 
 def check_picklable(datasets):
-  """Loader workers started by spawn (a replica's) get each dataset ({name: dataset}) pickled:
-  a class defined inside a function (or a lambda transform) cannot be, which would be a
-  traceback from deep inside multiprocessing. Said in one line instead. Tensors and arrays are
-  taken as they are: only whether the rest can be sent is asked, not what it weighs."""
+  """Each dataset ({name: dataset}) pickled as a replica's loader workers get it: a class defined
+  in a function or a lambda transform is one line, not multiprocessing's traceback."""
   for name, dataset in datasets.items():
     pickler = pickle.Pickler(types.SimpleNamespace(write=len))  # Written nowhere.
     pickler.dispatch_table = dict.fromkeys((torch.Tensor, np.ndarray), lambda _: (tuple, ()))
@@ -192,8 +187,7 @@ def check_picklable(datasets):
                        'function it holds) at module level, or give --num_workers 0') from None
 
 
-def create_model(name, num_classes):
-  """A torchvision classifier with fresh weights (nothing is downloaded)."""
+def create_model(name, num_classes):  # A torchvision classifier, fresh (nothing downloaded).
   if name not in torchvision.models.list_models(torchvision.models):
     raise UsageError(f'--model {name} is not a torchvision classification model (e.g. resnet18, '
                      "resnet50): name one, or build your own in the script's build_model")
@@ -203,8 +197,7 @@ def create_model(name, num_classes):
 
 
 # ------------------------------------------------------------------------------ data
-def load_image(path):
-  """decode_image of the file at path; one it cannot read is a BadDataError naming the file."""
+def load_image(path):  # decode_image of a file; a BadDataError naming it if it cannot.
   try:
     with open(path, 'rb') as f:
       return decode_image(f.read())
@@ -213,12 +206,10 @@ def load_image(path):
 
 
 def decode_image(data):
-  """The image file's bytes as a uint8 RGB tensor (3 x H x W): a JPEG by torchvision's decoder
-  (libjpeg-turbo, no PIL image on the way); PNG, WebP, GIF (its first frame), BMP, TIFF, PPM
-  and any other format the installed PIL opens (sorted(PIL.Image.OPEN) after Image.init()) by
-  PIL, grey, palette and RGBA made RGB (alpha dropped), 16-bit grey scaled to 8 bits. A
-  ValueError says why it cannot (a truncated or unknown file, 32-bit pixels of no known range,
-  more pixels than check_pixels takes: said from the header, before any decoding)."""
+  """The image file's bytes as a uint8 RGB tensor (3 x H x W): a JPEG by libjpeg-turbo
+  (torchvision's), any other format the installed PIL opens by PIL (grey, palette and RGBA made
+  RGB, 16-bit grey scaled to 8 bits, a GIF's first frame). A ValueError says why it cannot (a
+  truncated or unknown file, 32-bit pixels, too many pixels: from the header, before decoding)."""
   if data[:3] == b'\xff\xd8\xff' and (size := jpeg_size(data)):  # Else PIL's header check.
     check_pixels(*size)
     try:
@@ -253,18 +244,16 @@ def check_pixels(width, height):
     raise ValueError(too_many_pixels(f'{width}x{height} pixels'))
 
 
-def too_many_pixels(pixels):
-  """The words for an image of `pixels` (such as '30000x30000 pixels') over the limit."""
+def too_many_pixels(pixels):  # Such as '30000x30000 pixels'.
   return (f"{pixels}, over the limit of {Image.MAX_IMAGE_PIXELS:,} (PIL's Image.MAX_IMAGE_PIXELS: "
           'raise it to read such images)')
 
 
 def jpeg_size(data):
-  """(width, height) of a JPEG from the frame header that libjpeg (torchvision's decoder) reads,
-  without decoding (in 3 us, where PIL's header reading takes 24), or None where libjpeg would
-  stop before one (PIL then reads the file). The markers are walked as libjpeg walks them, so
-  that no bytes it skips can hide a smaller frame: bytes up to an FF and fill FFs skipped, FF 00
-  too, RST0-7 and TEM without a length, a segment's length at least 2."""
+  """(width, height) from the JPEG frame header that libjpeg reads (3 us; PIL's header: 24), or
+  None where libjpeg would stop before one. The markers are walked as libjpeg walks them, so no
+  bytes it skips can hide a smaller frame: fill FFs and FF 00 skipped, RST0-7 and TEM without a
+  length, a segment's length at least 2."""
   at = 2
   while (at := data.find(b'\xff', at)) >= 0:
     at = JPEG_FILL.match(data, at).end()  # In C: a crafted file may hold megabytes of them.
@@ -301,6 +290,8 @@ def pil_size(data):
       except Image.DecompressionBombError:
         raise ValueError(too_many_pixels(f'more than {2 * Image.MAX_IMAGE_PIXELS:,} pixels')
                          ) from None
+
+
       except (SyntaxError, IndexError, TypeError, struct.error):
         continue
   return None
@@ -432,10 +423,9 @@ def eval_share(dataset, rank, world_size, batch_size):
 
 
 class EpochLoader:
-  """At most `steps` steps of per_step batches of loader an epoch (num_batches in all), from
-  set_epoch's first step on (`order` skips the batches trained; None batches are dropped):
-  leaving MpDeviceLoader's loop early would leave a thread behind. check() raises the loader
-  error MpDeviceLoader swallows."""
+  """At most `steps` steps of per_step batches of loader an epoch (no early exit from
+  MpDeviceLoader's loop, which leaves a thread behind), from set_epoch's first step on (`order`
+  skips the batches trained); None batches dropped. check() raises what MpDeviceLoader swallows."""
 
   def __init__(self, loader, steps, order=None, per_step=1):
     self.loader, self.order, self.first_batch, self.error = loader, order, 0, None
@@ -449,8 +439,7 @@ class EpochLoader:
                        f'{per_step} batches: lower it or --batch_size')
     self.per_step, self.num_batches = per_step, self.steps * per_step
 
-  def set_epoch(self, epoch, first_step=0):
-    """first_step: in steps, of per_step batches each."""
+  def set_epoch(self, epoch, first_step=0):  # first_step: of per_step batches each
     self.first_batch, self.epoch = first_step * self.per_step, epoch
     if self.order is not None:
       self.order.set_epoch(epoch, self.first_batch)
@@ -476,11 +465,9 @@ class EpochLoader:
                                   "every sample one shape (in build_datasets' transform)")
 
   def start(self):
-    """iter(loader), with the stop signals blocked in this thread while it starts loader workers:
-    a worker imports the script, torch and torch_xla for seconds, and until it ignores them
-    (ignore_stop_signals) a stop signal would kill it and so the run. A worker inherits the mask
-    (so does the fork server of loader_start, started here, which keeps it); a signal sent
-    meanwhile waits, and is dropped once the worker ignores it."""
+    """iter(loader), with the stop signals blocked in this thread while loader workers start (for
+    seconds), which inherit the mask (loader_start's fork server too): a signal meanwhile waits,
+    then is dropped as the worker ignores it (ignore_stop_signals), instead of killing it."""
     multiprocessing.resource_tracker.ensure_running()  # Its start would unblock SIGINT, SIGTERM.
     blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     try:
@@ -489,11 +476,9 @@ class EpochLoader:
       signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
   def worker_death(self, iterator):
-    """LoaderWorkerDied for the first of the iterator's loader workers that died, or None. torch
-    says only 'DataLoader worker (pid(s) N) exited unexpectedly' where its SIGCHLD handler is not
-    installed (the loader iterated in a thread other than the main one: MpDeviceLoader's), and
-    a batch cut off by the death may come first as another error (a connection reset by the
-    worker that held its memory): a death is waited for 2 s."""
+    """LoaderWorkerDied for the first of the iterator's loader workers that died, or None (torch
+    says only 'exited unexpectedly' outside the main thread, MpDeviceLoader's; a batch cut off by
+    the death may come first as another error: a death is waited for 2 s)."""
     workers = getattr(iterator, '_workers', None)
     if not workers:
       return None
@@ -521,8 +506,7 @@ class EpochLoader:
       raise self.error
 
 
-def in_steps(batches, per_step):
-  """Lists of per_step batches, one per optimizer step (--gradient_accumulation_steps)."""
+def in_steps(batches, per_step):  # Lists of per_step batches: one per optimizer step.
   batches = iter(batches)
   return iter(lambda: list(itertools.islice(batches, per_step)), [])
 
@@ -535,7 +519,7 @@ def evaluates(epoch, num_epochs, interval, only_at_end):
 
 def warmup_step_decay(step, steps_per_epoch, warmup_epochs, divide_every_n_epochs, divisor):
   """upstream's WarmupAndExponentialDecayScheduler as the LR factor at a global step (exact on
-  resume): linear warm-up from 0, then a division every n epochs."""
+  resume)."""
   warmup_steps = warmup_epochs * steps_per_epoch
   if step < warmup_steps:
     return (step + 1) / warmup_steps
@@ -543,11 +527,9 @@ def warmup_step_decay(step, steps_per_epoch, warmup_epochs, divide_every_n_epoch
 
 
 def loader_start():
-  """The DataLoader's multiprocessing_context for its workers: in a spawned replica
-  (train_resnet_mp.py, train_wds_cifar.py), a fork server that has imported torch, torch_xla
-  and this module (torchvision, PIL, numpy, fsspec) once, and forks each worker from it; a
-  spawned worker imports them itself (seconds and 411 MB of its own memory each here:
-  benchmarks/input_pipeline.py). Elsewhere None: fork (the process was not spawned)."""
+  """The DataLoader's multiprocessing_context: in a spawned replica, a fork server that imports
+  torch, torch_xla and this module once and forks each worker (a spawned one imports them: 411 MB
+  of its own each, benchmarks/input_pipeline.py); elsewhere None (fork)."""
   if multiprocessing.get_start_method(allow_none=True) != 'spawn':
     return None
   context = multiprocessing.get_context('forkserver')
@@ -556,10 +538,9 @@ def loader_start():
 
 
 def ignore_stop_signals(worker_id=None):
-  """DataLoader worker_init_fn: workers serve on after a stop signal, so the run can save. They
-  start with the stop signals blocked (EpochLoader.start): unblocked here, once ignored. A worker
-  ends once its replica is gone: torch's watchdog watches its parent, a fork server's worker
-  the server, which lives while a worker holds its pipe."""
+  """DataLoader worker_init_fn: workers serve on after a stop signal (blocked as they start,
+  EpochLoader.start), so the run can save, and end with their replica (a fork server's worker:
+  torch's watchdog watches the server, which lives while a worker holds its pipe)."""
   for signum in STOP_SIGNALS:
     signal.signal(signum, signal.SIG_IGN)
   signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
@@ -570,9 +551,8 @@ def ignore_stop_signals(worker_id=None):
 
 
 class _QuietOnceGone:
-  """A loader worker's sys.stderr: a traceback that starts as its replica dies (a thread that
-  was handing it a batch, torch's queue or multiprocessing's fd server) ends the worker
-  instead, as _end_with would a moment later; while the replica lives, it is printed."""
+  """A loader worker's sys.stderr: a traceback as its replica dies (a thread handing it a batch)
+  ends the worker instead, as _end_with would a moment later; while the replica lives, it prints."""
 
   def __init__(self, stream, replica):
     self.stream, self.replica = stream, replica
@@ -591,8 +571,8 @@ class _QuietOnceGone:
 # ----------------------------------------------------------------- the log and results
 class StepLog:
   """Training lines (pytorch/xla's, which TPU users grep for) and TensorBoard scalars, in order,
-  from a thread of their own: add() is a step closure, and reading the loss in the training
-  thread would hold up the next step (a run_async closure's lines could trail the epoch's)."""
+  from a thread of their own: add() is a step closure; reading the loss in it would hold up the
+  next step."""
 
   def __init__(self, device, writer, history):
     self.device, self.writer, self.history = device, writer, history  # history: results'
@@ -617,8 +597,7 @@ class StepLog:
       self.pending.popleft().result()
 
 
-def compile_count():
-  """XLA graphs compiled so far by this process (torch_xla's CompileTime metric)."""
+def compile_count():  # XLA graphs this process compiled so far
   return (met.metric_data('CompileTime') or (0,))[0]
 
 
@@ -632,8 +611,7 @@ def new_results(model, **extra):
 
 
 def add_totals(results, global_step, samples_per_step, log):
-  """Adds the run's totals to its results once its log lines are out (a StepLog), and closes
-  its TensorBoard writer."""
+  """The run's totals into its results, once its log's lines are out; closes its TensorBoard."""
   log.flush()
   if log.writer is not None:
     log.writer.close()
@@ -667,9 +645,8 @@ def say_finished(results, target_accuracy):
 
 
 def check_learning(log, epoch, num_classes, lr, default_lr):
-  """A warning when the loss stayed at chance level (ln of the class count, or above) through
-  the second half of the epoch's steps that this run logged (log: its StepLog) at the default
-  --lr: see docs/adapt.md."""
+  """A warning when the loss stayed at chance level (ln of the class count) through the second
+  half of the epoch's steps this run logged at the default --lr: see docs/adapt.md."""
   losses = [entry['loss'] for entry in log.history[log.restored:] if entry['epoch'] == epoch]
   chance = math.log(num_classes)
   if (lr == default_lr and len(losses) >= 4 and num_classes >= 2 and
@@ -680,8 +657,7 @@ def check_learning(log, epoch, num_classes, lr, default_lr):
                     'BatchNorm often needs', fd=sys.stderr, flush=True)
 
 
-def write_results(path, results):
-  """Writes results as JSON to a local path or URL, atomically."""
+def write_results(path, results):  # As JSON to a local path or URL, atomically
   if path:
     try:
       write_atomically(json.dumps(results, indent=2).encode() + b'\n', path)
@@ -692,16 +668,14 @@ def write_results(path, results):
 
 
 # ------------------------------------------------------------------------ files and buckets
-def url_fs(url, seconds=None):
-  """(file system, path) of a URL, with fs_options's deadlines."""
+def url_fs(url, seconds=None):  # (file system, path), with fs_options's deadlines
   return fsspec.core.url_to_fs(url, **fs_options(url, seconds))
 
 
 def fs_options(url, seconds=None):
-  """fsspec's options for a URL. Each request to a bucket (gs://) has `seconds` (BUCKET_SECONDS
-  unless given; gcsfs tries a late one no more): a stalled or trickling bucket is an error, not a
-  hang. Given `seconds`, so have a server's (http(s)) connection and each byte of its answer's
-  start. Other URLs keep their library's limits."""
+  """fsspec's options for a URL: each request to a bucket (gs://) has `seconds` (BUCKET_SECONDS
+  unless given), so a stalled or trickling bucket is an error, not a hang; given `seconds`, so
+  have a server's (http(s)) connection and each read. Others keep their library's limits."""
   protocol = fsspec.utils.get_protocol(url)
   if protocol not in ('gs', 'gcs') and not (seconds and protocol in ('http', 'https')):
     return {}
@@ -739,17 +713,15 @@ _ours = {}
 _locks = {}  # {lock file: its descriptor}, held until this process ends.
 
 
-def is_master():
-  """Whether this process writes checkpoints and results: replica 0, or process 0 (SPMD)."""
+def is_master():  # Whether this process writes checkpoints and results (SPMD: process 0).
   return xr.process_index() == 0 if xr.is_spmd() else xm.is_master_ordinal(local=False)
 
 
 def claim_folder(ckpt_dir, hold=True):
-  """Makes ckpt_dir this run's, or raises a UsageError if a live run holds it. A local folder is
-  locked with an OS lock on ckpt_dir/.lock, which ends with the process, by SIGKILL too (so a
-  killed run leaves nothing that blocks its resume); hold=False only checks. A bucket has no
-  such lock: write_checkpoint refuses to go on there once it meets a checkpoint this run did not
-  write, before it writes or removes any file (docs/checkpoints.md#one-run-per-folder)."""
+  """Makes ckpt_dir this run's, or raises a UsageError if a live run holds it: an OS lock on
+  ckpt_dir/.lock, which a killed run leaves to nobody; hold=False only checks. A bucket has no
+  lock: write_checkpoint refuses a checkpoint there this run did not write, before it writes or
+  removes one (docs/checkpoints.md#one-run-per-folder)."""
   fs, path = fsspec.core.url_to_fs(ckpt_dir)
   if isinstance(fs, fsspec.implementations.local.LocalFileSystem) and path not in _locks:
     try:
@@ -790,10 +762,9 @@ def list_checkpoints(ckpt_dir, suffix='.pt'):
 
 
 def write_checkpoint(state, ckpt_dir, keep, best, shards=None):
-  """Saves ckpt_dir/ckpt-GLOBALSTEP.pt (and best.pt), keeping the `keep` newest up to it, and
-  returns its path. Every replica calls it; the master writes; all wait until it is whole.
-  shards(path), the SPMD scripts' (sharded_checkpoints.py), writes what each host holds beside
-  the file, on every host, once the folder is known to be this run's and before the file."""
+  """Saves ckpt_dir/ckpt-GLOBALSTEP.pt (and best.pt), keeping the `keep` newest up to it; returns
+  its path. Every replica calls it, the master writes. shards(path) (sharded_checkpoints.py)
+  writes each host's shards beside it, once the folder is known to be this run's."""
   torch_xla.sync()  # Runs the step still being traced, so that saving only copies data.
   master = is_master()
   path = f'{ckpt_dir.rstrip("/")}/ckpt-{state["global_step"]:08d}.pt'
@@ -835,8 +806,7 @@ def write_checkpoint(state, ckpt_dir, keep, best, shards=None):
   return path
 
 
-def remove(url):
-  """Removes a checkpoint's file (or folder)."""
+def remove(url):  # A checkpoint's file or folder
   fs, path = url_fs(url)
   try:
     fs.rm(path, recursive=True)
@@ -852,10 +822,9 @@ class UnreadableCheckpoint(UsageError):
 
 
 def load_checkpoint(path):
-  """The checkpoint at path with CPU tensors (weights_only: other objects could run code). Its
-  bytes are all read first, 4 MiB a request from a bucket: a read that fails (the network, a
-  permission, a missing file) is a UsageError that ends the run, never taken for a corrupt file
-  (UnreadableCheckpoint), whose older one would be resumed instead."""
+  """The checkpoint at path with CPU tensors (weights_only: other objects could run code), read
+  whole first: a read that fails (network, permission) is a UsageError that ends the run, never
+  taken for a corrupt file (UnreadableCheckpoint), whose older one would be resumed instead."""
   fs, where = url_fs(path)
   try:
     with fs.open(where, 'rb', cache_type='none') as f:
@@ -952,10 +921,8 @@ def check_same_model(weights, state, path, flag_values):
 def checkpoint_to_resume(resume_path, ckpt_dir, weights, flag_values, world_size,
                          batch_flags=BATCH_FLAGS, sharded=False):
   """(path, state) of the checkpoint find_checkpoint chose, or (None, None): a UsageError if it
-  holds another model (weights: the model's state_dict) or is not of this script's format
-  (sharded: a folder of shards beside each file); warns of other batch_flags or another
-  world_size (docs/checkpoints.md). The script's restore_checkpoint puts it back, then
-  say_resumed says so."""
+  holds another model (weights: the model's state_dict) or another format (sharded: a folder of
+  shards beside each file); warns of other batch_flags or world_size (docs/checkpoints.md)."""
   path, state = find_checkpoint(resume_path, ckpt_dir)
   if state is None:
     return None, None
@@ -988,8 +955,8 @@ def checkpoint_to_resume(resume_path, ckpt_dir, weights, flag_values, world_size
 
 
 def say_resumed(path, state, flag_values, changed):
-  """The line of a run restored from the checkpoint at path: where it goes on (changed: what
-  new_recipe changed), or that the checkpoint's run had finished every epoch."""
+  """The line of a restored run: where it goes on (with what new_recipe changed), or that the
+  checkpoint's run had finished every epoch."""
   epoch, num_epochs = state['epoch'], flag_values['num_epochs']
   where = flag_values.get('ckpt_dir') or os.path.dirname(path)
   xm.master_print(f'Run already finished: {path} is the end of epoch {epoch - 1} (--num_epochs '
@@ -1046,12 +1013,10 @@ def request_stop(signum, frame=None):
 
 
 def stop_on_signals(launcher=False):
-  """SIGTERM, SIGINT and SIGHUP become a stop after the current step (see take_stop_signals,
-  docs/checkpoints.md#stopping), in
-  the main thread of every process of a run (a spawned replica: as it imports the script); a
-  launcher passes them on to its replicas. A replica trains in a thread of torch_xla's, so its
-  handler may never run: stop_signal also reads the wakeup pipe Python writes every signal to.
-  Returns a context to launch in, where supervisor.watched may stand instead."""
+  """SIGTERM, SIGINT and SIGHUP become a stop after the current step (docs/checkpoints.md#stopping)
+  in every process of a run (a replica: as it imports the script); a launcher passes them on, and
+  returns the context to launch in (supervisor.watched's instead, if there). A replica trains in
+  a thread where no handler runs: stop_signal also reads the pipe Python writes signals to."""
   global _wakeup
   whole_lines()
   take_stop_signals(_pass_on if launcher else request_stop)
@@ -1062,9 +1027,8 @@ def stop_on_signals(launcher=False):
 
 
 def take_stop_signals(handler):
-  """handler for the STOP_SIGNALS, but a SIGHUP that is ignored (nohup) stays so. First starts
-  multiprocessing's resource tracker (which ignores SIGINT and SIGTERM itself) ignoring SIGHUP:
-  a closed terminal would end it, and the run's queues would then print tracebacks."""
+  """handler for the STOP_SIGNALS, but an ignored SIGHUP (nohup) stays so; multiprocessing's
+  resource tracker started first, ignoring SIGHUP (a closed terminal would end it)."""
   hangup = signal.signal(signal.SIGHUP, signal.SIG_IGN)
   multiprocessing.resource_tracker.ensure_running()
   for signum in STOP_SIGNALS:
@@ -1074,8 +1038,8 @@ def take_stop_signals(handler):
 
 @contextlib.contextmanager
 def _replica_death_said():
-  """Around torch_xla.launch in the launcher: a replica that ends with an error or a signal ends
-  the run at once, with one line and its code (replica_ended), not the process pool's traceback."""
+  """Around torch_xla.launch: a replica that ends with an error or a signal ends the run at once,
+  with one line and its code (replica_ended), not the process pool's traceback."""
   threading.Thread(target=_end_the_others, daemon=True).start()
   try:
     yield
@@ -1144,16 +1108,16 @@ def _pass_on(signum, frame):
 
 
 def whole_lines():
-  """Each line printed reaches the terminal, log or notebook in one write, not split by another
-  replica's or thread's (under PYTHONUNBUFFERED=1 print writes the text and newline apart)."""
+  """Each line printed in one write, not split by another process's (under PYTHONUNBUFFERED=1
+  print writes the text and the newline apart)."""
   for stream in (sys.stdout, sys.stderr):
     if isinstance(stream, io.TextIOWrapper):
       stream.reconfigure(line_buffering=True, write_through=False)
 
 
 def record_stop(results, signum, global_step, checkpoint=None):
-  """Marks results stopped by signum after global_step steps, and the checkpoint it saved (or
-  None); returns (the signal's name, the exit code)."""
+  """Marks results stopped by signum at global_step (checkpoint: its save, or None); returns
+  (the signal's name, the exit code)."""
   results.update(train_steps=global_step, checkpoint=checkpoint)
   if signum == signal.SIGINT:
     results['interrupted'] = True
@@ -1163,11 +1127,10 @@ def record_stop(results, signum, global_step, checkpoint=None):
 
 
 class StopVote:
-  """A stop signal on any replica (SPMD: host) as a stop after the same step on all of them;
-  a loss or weights that ran away on any (NaN, infinite, over the bounds below) as the end
-  of the run on all (Diverged); and a label outside the classes in a replica's batch as that
-  replica's failure (BadDataError: on XLA the cross entropy trains on it without a word).
-  Read before every save, so that no checkpoint holds them."""
+  """A stop signal on any replica (SPMD: host) as a stop after the same step on all; a loss or
+  weights that ran away on any (NaN, infinite, over the bounds below) as the end of the run on all
+  (Diverged); a label outside the classes as its replica's failure (BadDataError: on XLA the
+  cross entropy trains on it without a word). Read before every save: no checkpoint holds them."""
   LAG = 2
   LOSS_BOUND = 100  # times ln(classes): far above any loss a run that learns has
   WEIGHT_BOUND = 1e4  # A network that learns has its weights mostly below 1.
@@ -1235,10 +1198,8 @@ class StopVote:
 
 
 def say_diverged(error, flag_values):
-  """Says why the run diverged (StopVote's error) and the way out, after every replica's step
-  lines (add_totals printed them): a lower --lr (--weight_decay, where it is 1 or more and lr
-  x weight decay too), from the last checkpoint (docs/checkpoints.md#a-run-that-diverges).
-  Returns the exit code, 22."""
+  """Says why the run diverged (StopVote's error) after every replica's step lines, and the way
+  out (docs/checkpoints.md#a-run-that-diverges); returns the exit code, 22."""
   if xr.world_size() > 1:
     xm.rendezvous('diverged')  # Every replica's step lines before the error.
   resume_from = flag_values.get('resume') or (flag_values.get('ckpt_dir') and max(
@@ -1273,9 +1234,8 @@ def replica():
 
 
 def _end_with(launcher):
-  """Ends this replica and its loader workers once its launcher is gone: killed by SIGKILL,
-  or ended the run for another replica that failed, which this one may be waiting for (and a
-  loader worker once its replica is: ignore_stop_signals)."""
+  """Ends this process and its loader workers once its launcher (a worker's: its replica) is
+  gone: killed, or ended the run for another replica, which this one may be waiting for."""
   launcher.join()
   end_loader_workers()
   os._exit(128 + signal.SIGKILL)
@@ -1301,8 +1261,7 @@ def replica_failed(error):
 
 
 def end_loader_workers():
-  """Kills this process's loader workers still alive: they ignore the SIGTERM that
-  multiprocessing's exit sends before waiting for them (see ignore_stop_signals)."""
+  """Kills this process's loader workers: they ignore the SIGTERM multiprocessing's exit sends."""
   for process in multiprocessing.active_children():
     process.kill()
     process.join()

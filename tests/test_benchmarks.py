@@ -28,7 +28,7 @@ def test_benchmark_prints_its_tables_row_by_row():
   assert 'Resumed from' not in out and 'Saved checkpoint' not in out, out
   assert re.search(r'^\| eager PyTorch, CPU \| fake \| [\d,.]+ \| \| \| \|$', out, re.M)
   precisions = re.findall(r'^\| ([\w-]+) \| [\d,.]+ \| [\d.]+% \| \d+ \| [\d,]+ MB \|$', out, re.M)
-  assert precisions == ['--bf16'], out  # --quick: one row (all three without it)
+  assert precisions == ['float32'], out  # --quick: one row (all three without it)
   assert re.search(r'^\| resnet18 \+ momentum, size \| [\d,]+ MB \|$', out, re.M)  # 50 if not quick
   assert re.search(r'resumed at epoch 2 step 1: start to first new step \| [\d.]+ s \|$', out, re.M)
   # train_resnet_spmd.py's checkpoint on 4 devices: one file against its shards.
