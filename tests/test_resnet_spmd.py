@@ -23,23 +23,25 @@ def test_four_devices_learn_count_every_image_once_and_compile_only_in_epoch_1(t
                                                                            colour_folder):
   # 21 val images, one of them a red image filed under green: exactly 20/21 correct, in
   # global evaluation batches of 8 (the last one padded). At --lr 0.005 three seeds each
-  # ended at 20/21; at 0.01 the default seed ended at 15/21.
+  # ended at 20/21 after 3 epochs, and the default seed (42) and seed 1 after 2 already
+  # (47.62 then 95.24); at 0.01 the default seed ended at 15/21. Two epochs: the second shows
+  # that nothing compiles after the first, at a third less CPU than three.
   write_image(colour_folder / 'val' / 'green' / 'red_one.png', (220, 40, 40), 32,
               np.random.default_rng(3))
   result = run_script(SCRIPT, '--datadir', colour_folder, '--model', 'resnet18', '--img_dim', 16,
-                      '--batch_size', 4, '--test_set_batch_size', 2, '--num_epochs', 3,
+                      '--batch_size', 4, '--test_set_batch_size', 2, '--num_epochs', 2,
                       '--lr', 0.005, '--num_workers', 2, '--log_steps', 4,
                       '--results_json', tmp_path / 'r.json', env=FOUR)
   assert result.returncode == 0, both(result)
   results = read_json(tmp_path / 'r.json')
   assert results['world_size'] == 4 and results['spmd']
   assert (results['eval_correct'], results['eval_samples']) == (20, 21), result.stdout
-  assert re.search(r'^Epoch 3 test end \d\d:\d\d:\d\d, Accuracy=95\.24$', result.stdout, re.M)
-  assert results['train_steps'] == 3 * 16  # 256 images in global batches of 4 x 4.
+  assert re.search(r'^Epoch 2 test end \d\d:\d\d:\d\d, Accuracy=95\.24$', result.stdout, re.M)
+  assert results['train_steps'] == 2 * 16  # 256 images in global batches of 4 x 4.
   assert re.findall(r'^Epoch \d Host Train Samples=(\d+) Devices=4 of 4 Host=0$', result.stdout,
-                    re.M) == ['256'] * 3
+                    re.M) == ['256'] * 2
   counts = results['compilations_after_epoch']
-  assert counts[0] == counts[1] == counts[2], counts  # Nothing compiled after epoch 1.
+  assert len(counts) == 2 and counts[0] == counts[1], counts  # Nothing compiled after epoch 1.
 
 
 def test_killed_and_stopped_fsdp_run_on_four_devices_ends_bitwise_equal_and_as_one_device(

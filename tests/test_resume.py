@@ -59,7 +59,8 @@ def assert_same_losses(resumed_output, reference_output):
   assert ours and all(theirs[key] == loss for key, loss in ours.items()), (ours, theirs)
 
 
-def test_killed_stopped_and_killed_mid_save_run_ends_bitwise_equal(data, reference, tmp_path):
+def test_killed_stopped_killed_mid_save_and_cut_short_run_ends_bitwise_equal(data, reference,
+                                                                              tmp_path):
   ckpt_dir = tmp_path / 'ckpt'
   kill_step = seeded_random().randrange(1, 6)
   code, out = run_and_signal(SCRIPT, flags(data, ckpt_dir), kill_step, signal.SIGKILL)
@@ -79,14 +80,25 @@ def test_killed_stopped_and_killed_mid_save_run_ends_bitwise_equal(data, referen
   code, out = kill_during_save(SCRIPT, flags(data, ckpt_dir), ckpt_dir, after_saves=1)
   assert code == -signal.SIGKILL, out
   assert any('.pt.tmp' in p.name for p in ckpt_dir.iterdir())  # Killed while writing.
+  # And the newest whole checkpoint cut short besides (a copy or a disk that stopped): the resume
+  # says so in one warning and goes on from the one before it. (Here, not in a run of its own:
+  # the resume below is one anyway, and every step it trains again must still match.)
+  whole = sorted(ckpt_dir.glob('ckpt-*.pt'))  # Two at least: keep 2, and a save since the stop.
+  newest, previous = whole[-1], whole[-2]
+  newest.write_bytes(newest.read_bytes()[:100_000])
+  before = torch.load(previous, weights_only=True)
 
   # With torch_xla's compile cache (written; XLA:CPU cannot read it back): the same training.
   result = run_script(SCRIPT, *flags(data, ckpt_dir, '--results_json', tmp_path / 'r.json',
                                      '--compile_cache_dir', tmp_path / 'cache'))
   assert result.returncode == 0, result.stdout + result.stderr
   assert len(list((tmp_path / 'cache').iterdir())) >= 4  # A file per graph it compiled.
+  warnings = [l for l in result.stderr.splitlines() if l.startswith('warning: checkpoint')]
+  assert len(warnings) == 1 and f'{newest.name} cannot be read' in warnings[0], result.stderr
   resumed = re.search(r'^Resumed from (\S+) at epoch (\d+) step (\d+)$', result.stdout, re.M)
   assert resumed, result.stdout
+  assert (resumed.group(1), int(resumed.group(2)), int(resumed.group(3))) == (
+      str(previous), before['epoch'], before['step']), result.stdout
   assert not any('.pt.tmp' in p.name for p in ckpt_dir.iterdir())
   assert_same_losses(result.stdout, reference[1])
   assert_same_training(ckpt_dir, reference[0])
@@ -101,27 +113,8 @@ def test_killed_stopped_and_killed_mid_save_run_ends_bitwise_equal(data, referen
   # Two newest checkpoints and best.pt are kept.
   names = sorted(p.name for p in ckpt_dir.iterdir())
   assert names == ['.lock', 'best.pt', 'ckpt-00000015.pt', 'ckpt-00000016.pt'], names
-
-  result = run_script(SCRIPT, *flags(data, ckpt_dir))
-  assert result.returncode == 0, result.stdout + result.stderr
-  assert re.search(r'^Run already finished: \S+ckpt-00000016.pt is the end of epoch 2 '
-                   r'\(--num_epochs 2\)\. To train on, give more --num_epochs; to start over, '
-                   rf'remove {re.escape(str(ckpt_dir))} or give another --ckpt_dir$', result.stdout,
-                   re.M), result.stdout
-  assert 'Training' not in result.stdout and 'compiling' not in result.stdout, result.stdout
-
-
-def test_truncated_newest_checkpoint_falls_back_to_the_previous(reference, data, tmp_path):
-  ckpt_dir = tmp_path / 'ckpt'
-  shutil.copytree(reference[0], ckpt_dir)
-  newest = ckpt_dir / 'ckpt-00000016.pt'
-  newest.write_bytes(newest.read_bytes()[:100_000])
-  result = run_script(SCRIPT, *flags(data, ckpt_dir))
-  assert result.returncode == 0, result.stdout + result.stderr
-  warnings = [l for l in result.stderr.splitlines() if l.startswith('warning: checkpoint')]
-  assert len(warnings) == 1 and 'ckpt-00000016.pt cannot be read' in warnings[0], result.stderr
-  assert re.search(r'^Resumed from \S+ckpt-00000015.pt at epoch 2 step 7$', result.stdout, re.M)
-  assert_same_training(ckpt_dir, reference[0])
+  # The same command once more says the run is over:
+  # test_checkpoint_holding_other_objects_is_refused runs it on a finished run's folder.
 
 
 class Payload:
@@ -143,12 +136,18 @@ def test_checkpoint_holding_other_objects_is_refused(reference, data, tmp_path):
                               r'tensors and plain values')
   assert 'this ran' not in result.stdout + result.stderr
 
-  # Found in --ckpt_dir, it is reported and passed over for the newest good one.
+  # Found in --ckpt_dir, it is reported and passed over for the newest good one: the end of the
+  # run, and the same command then says so and trains nothing (one run for both: a process
+  # fewer).
   result = run_script(SCRIPT, *flags(data, ckpt_dir))
   assert result.returncode == 0, result.stdout + result.stderr
   assert 'this ran' not in result.stdout + result.stderr
   assert re.search(r'^warning: checkpoint \S+ckpt-00000099.pt holds objects', result.stderr, re.M)
-  assert 'Run already finished' in result.stdout
+  assert re.search(r'^Run already finished: \S+ckpt-00000016.pt is the end of epoch 2 '
+                   r'\(--num_epochs 2\)\. To train on, give more --num_epochs; to start over, '
+                   rf'remove {re.escape(str(ckpt_dir))} or give another --ckpt_dir$', result.stdout,
+                   re.M), result.stdout
+  assert 'Training' not in result.stdout and 'compiling' not in result.stdout, result.stdout
 
 
 def test_checkpoint_of_another_script_and_model_names_what_differs(reference, data, tmp_path):
