@@ -719,9 +719,9 @@ def is_master():  # Whether this process writes checkpoints and results (SPMD: p
 
 def claim_folder(ckpt_dir, hold=True):
   """Makes ckpt_dir this run's, or raises a UsageError if a live run holds it: an OS lock on
-  ckpt_dir/.lock, which a killed run leaves to nobody; hold=False only checks. A bucket has no
-  lock: write_checkpoint refuses a checkpoint there this run did not write, before it writes or
-  removes one (docs/checkpoints.md#one-run-per-folder)."""
+  ckpt_dir/.lock, which ends with the process (SIGKILL too); hold=False only checks. A bucket has
+  no lock: write_checkpoint refuses a checkpoint there this run did not write, before it writes
+  or removes one (docs/checkpoints.md#one-run-per-folder)."""
   fs, path = fsspec.core.url_to_fs(ckpt_dir)
   if isinstance(fs, fsspec.implementations.local.LocalFileSystem) and path not in _locks:
     try:
