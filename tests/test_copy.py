@@ -91,7 +91,8 @@ def test_kit_alone_stops_on_sigterm_and_resumes(tmp_path):
           '--batch_size', 4, '--test_set_batch_size', 4, '--num_epochs', 2, '--num_steps', 4,
           '--log_steps', 1, '--lr', 0.02, '--ckpt_dir', tmp_path / 'ckpt']
   process = start_in(project, *argv, '--results_json', tmp_path / 'r.json')
-  # The same command again while it trains (held): its replica refuses the folder, in one line.
+  # The same command again while it trains (held): its spawned replica refuses the folder, and
+  # the replica's line and exit code are the run's, in one line.
   out = wait_for(process, r'^\| Training ')
   os.killpg(process.pid, signal.SIGSTOP)
   second = start_in(project, *argv)
@@ -110,9 +111,12 @@ def test_kit_alone_stops_on_sigterm_and_resumes(tmp_path):
   assert stopped, out[-3000:]
   assert read_json(tmp_path / 'r.json')['preempted'] is True
   assert_nothing_left(session=process.pid)
-  resumed = start_in(project, *argv, '--results_json', tmp_path / 'r.json')
+  # The resume is the replica's (utils.py's restore), not the spawn's: in the command's own
+  # process, one process fewer to pay for.
+  resumed = start_in(project, *argv, '--results_json', tmp_path / 'r.json', '--num_cores', 1)
   out, _ = resumed.communicate(timeout=600)
   assert resumed.returncode == 0, out[-3000:]
+  assert re.search(r'^Starting one replica \(--num_cores 1\) \.\.\.$', out, re.M), out
   assert re.search(rf'^Resumed from \S+ at epoch {stopped[1]} step {stopped[2]}$', out, re.M), out
   assert read_json(tmp_path / 'r.json')['train_steps'] == 8
 
@@ -167,7 +171,8 @@ def test_a_stop_trains_the_step_the_signal_lands_in_and_two_more_and_saves_them(
   # printed by a thread of its own once the device has computed a step, can trail the training
   # on a busy host. Here the signal lands in a known step: the training loop waits for batch 8
   # when it comes, so step 8 is the first to read it, with steps 9 and 10 the vote's lag; the
-  # checkpoint holds steps 0 to 10, whatever the log's pace.
+  # checkpoint holds steps 0 to 10, whatever the log's pace. The vote is the replica's loop,
+  # the same in a spawned replica: it runs here in the command's own process (--num_cores 1).
   project = tmp_path / 'project'
   small_cnn_project(project)
   script = project / 'train_resnet_mp.py'
@@ -178,7 +183,8 @@ def test_a_stop_trains_the_step_the_signal_lands_in_and_two_more_and_saves_them(
   release = tmp_path / 'release'
   process = subprocess.Popen(
       [sys.executable, 'train_resnet_mp.py', '--model', 'smallcnn', '--lr', '0.02', '--batch_size',
-       '8', '--num_workers', '0', '--log_steps', '1', '--ckpt_dir', str(tmp_path / 'ckpt')],
+       '8', '--num_workers', '0', '--num_cores', '1', '--log_steps', '1', '--ckpt_dir',
+       str(tmp_path / 'ckpt')],
       cwd=project, env=script_env(RELEASE=str(release)), stdout=subprocess.PIPE,
       stderr=subprocess.STDOUT, text=True, bufsize=1, start_new_session=True)
   # Should the run never print what is waited for, it is ended: the test fails, not hangs.
@@ -194,6 +200,7 @@ def test_a_stop_trains_the_step_the_signal_lands_in_and_two_more_and_saves_them(
   timer.cancel()
   out += rest
   assert process.returncode == 130, out
+  assert re.search(r'^Starting one replica \(--num_cores 1\) \.\.\.$', out, re.M), out
   assert sorted(os.listdir(tmp_path / 'ckpt')) == ['.lock', 'ckpt-00000011.pt'], out
   held = torch.load(tmp_path / 'ckpt' / 'ckpt-00000011.pt', weights_only=True)
   assert (held['epoch'], held['step']) == (1, 11)
@@ -297,34 +304,43 @@ def test_a_dataset_loader_workers_cannot_receive_is_one_line(tmp_path, kit):
   assert ('Starting' in result.stdout) == (kit == 'alone'), result.stdout
 
 
-def kit_args(script, tmp_path):
-  """Small flags for a run of the script's kit; the wds kit's shards are written first, by the
-  shard writer as its copy line copies it (into a folder of its own: the kit stays alone)."""
+@pytest.fixture(scope='module')
+def kit_shards(tmp_path_factory):
+  """The wds kit's shards, written by the shard writer as its copy line copies it (into a
+  folder of its own: the kit stays alone); once for the tests of this module that read them
+  (only read: a process of imports fewer)."""
+  root = tmp_path_factory.mktemp('kit_shards')
+  copy_kit(WRITER, root / 'writer')
+  make_cifar_python(root / 'cifar-10-batches-py', per_batch=16, test_count=16)
+  written = subprocess.run(
+      [sys.executable, WRITER, '--cifar_dir', root / 'cifar-10-batches-py', '--output',
+       root / 'shards' / 'c', '--samples_per_shard', '20'], cwd=root / 'writer',
+      env=script_env(), capture_output=True, text=True, timeout=300)
+  assert written.returncode == 0, written.stdout + written.stderr
+  assert sorted(os.listdir(root / 'shards')) == [
+      'c-classes.txt', 'c-test-000000.tar', *(f'c-train-{i:06d}.tar' for i in range(4))]
+  return root / 'shards'
+
+
+def kit_args(script, shards=None):
+  """Small flags for a run of the script's kit; the wds kit's read shards (kit_shards)."""
   common = ['--test_set_batch_size', 4, '--num_epochs', 2, '--log_steps', 1, '--lr', 0.02]
   if script != 'train_wds_cifar.py':
     return ['--fake_data', '--model', 'resnet18', '--img_dim', 16, '--batch_size', 4,
             '--num_steps', 6, *common]
-  copy_kit(WRITER, tmp_path / 'writer')
-  make_cifar_python(tmp_path / 'cifar-10-batches-py', per_batch=16, test_count=16)
-  written = subprocess.run(
-      [sys.executable, WRITER, '--cifar_dir', tmp_path / 'cifar-10-batches-py', '--output',
-       tmp_path / 'shards' / 'c', '--samples_per_shard', '20'], cwd=tmp_path / 'writer',
-      env=script_env(), capture_output=True, text=True, timeout=300)
-  assert written.returncode == 0, written.stdout + written.stderr
-  assert sorted(os.listdir(tmp_path / 'shards')) == [
-      'c-classes.txt', 'c-test-000000.tar', *(f'c-train-{i:06d}.tar' for i in range(4))]
-  return ['--wds_traindir', tmp_path / 'shards' / 'c-train-{000000..000003}.tar', '--trainsize',
-          80, '--wds_testdir', tmp_path / 'shards' / 'c-test-000000.tar', '--testsize', 16,
+  return ['--wds_traindir', shards / 'c-train-{000000..000003}.tar', '--trainsize',
+          80, '--wds_testdir', shards / 'c-test-000000.tar', '--testsize', 16,
           '--batch_size', 4, '--num_workers', 1, '--shuffle_buffer', 20, '--num_steps', 6,
           *common]
 
 
 @pytest.mark.parametrize('script', ['train_single_core.py', 'train_resnet_spmd.py',
                                     'train_wds_cifar.py'])
-def test_each_kit_alone_stops_on_ctrl_c_with_a_checkpoint(tmp_path, script):
+def test_each_kit_alone_stops_on_ctrl_c_with_a_checkpoint(tmp_path, script, request):
   project = tmp_path / 'project'
   copy_kit(script, project)
-  argv = [script, *kit_args(script, tmp_path), '--ckpt_dir', tmp_path / 'ckpt',
+  shards = request.getfixturevalue('kit_shards') if script == 'train_wds_cifar.py' else None
+  argv = [script, *kit_args(script, shards), '--ckpt_dir', tmp_path / 'ckpt',
           '--results_json', tmp_path / 'r.json']
   process = start_in(project, *argv)
   code, out = signal_after_training_lines(process, 2, signal.SIGINT, to_group=True)
@@ -348,11 +364,14 @@ def test_kit_alone_ends_a_diverging_run_and_a_replica_says_a_bad_path_in_one_lin
   assert_one_error((nan.returncode, out), 22, r'^error: the (weights|loss) \S+ \S+ at epoch 1 step '
                    r'\d+.*: training diverged; lower --lr \(it is 1e\+06\) and run again \(exit '
                    r'code 22\)$')
-  # In a spawned replica of the mp kit: its line and its code are the run's.
+  # The mp kit's replica, without supervisor.py, says a missing --datadir in one line: here in
+  # the command's own process (a spawned replica's line and code are the run's: the refused
+  # --ckpt_dir of test_kit_alone_stops_on_sigterm_and_resumes).
   copy_kit('train_resnet_mp.py', tmp_path / 'mp')
   missing = start_in(tmp_path / 'mp', 'train_resnet_mp.py', '--datadir', tmp_path / 'nowhere',
-                     '--model', 'resnet18', '--img_dim', 16)
+                     '--model', 'resnet18', '--img_dim', 16, '--num_cores', 1)
   out, _ = missing.communicate(timeout=600)
+  assert re.search(r'^Starting one replica \(--num_cores 1\) \.\.\.$', out, re.M), out
   assert_one_error((missing.returncode, out), 2, r'^error: \S+/nowhere/train is not a folder: '
                    r'\S+/nowhere needs train and val with one folder of images per class')
 
@@ -452,14 +471,19 @@ def test_kit_alone_ends_a_run_whose_labels_or_model_outputs_are_not_the_classes(
         dataset = torch.utils.data.TensorDataset(images, labels)
         return dataset, dataset, 3
       ''') + source[end:])
+  # The checks are the step's (utils.py's), not the spawn's: the replica's code in the
+  # command's own process (a spawned replica's failing line and code are the run's: the
+  # refused --ckpt_dir of test_kit_alone_stops_on_sigterm_and_resumes).
   process = start_in(project, 'train_resnet_mp.py', '--model', 'linear', '--batch_size', 8,
-                     '--num_epochs', 1, '--log_steps', 1, '--num_workers', 0)
+                     '--num_epochs', 1, '--log_steps', 1, '--num_workers', 0, '--num_cores', 1)
   out, _ = process.communicate(timeout=600)
   assert_one_error((process.returncode, out), 2, error)
+  assert re.search(r'^Starting one replica \(--num_cores 1\) \.\.\.$', out, re.M), out
   assert 'test end' not in out, out
 
 
-def test_kit_alone_a_bug_in_a_copiers_parse_is_its_traceback_not_a_bad_shard(tmp_path):
+def test_kit_alone_a_bug_in_a_copiers_parse_is_its_traceback_not_a_bad_shard(tmp_path,
+                                                                             kit_shards):
   # A copier's parse that takes the labels for class names: its ValueError, raised in a loader
   # worker of the replica, ends the run as a bug of that parse, a traceback that ends in it
   # (exit code 1), not a warning that blames each shard, then no readable sample.
@@ -481,9 +505,13 @@ def test_kit_alone_a_bug_in_a_copiers_parse_is_its_traceback_not_a_bad_shard(tmp
 
 
       ''') + source[end:])
-  process = start_in(project, 'train_wds_cifar.py', *kit_args('train_wds_cifar.py', tmp_path))
+  # A loader worker's exception, the same from a plain fork as from a spawned replica's fork
+  # server: the replica runs in the command's own process (--num_cores 1), its worker forked.
+  process = start_in(project, 'train_wds_cifar.py', *kit_args('train_wds_cifar.py', kit_shards),
+                     '--num_cores', 1)
   out, _ = process.communicate(timeout=300)
   assert process.returncode == 1, out[-3000:]
+  assert re.search(r'^Starting one replica \(--num_cores 1\) \.\.\.$', out, re.M), out
   frames = re.findall(r'^  File "[^"]*/([^/"]+)", line \d+, in (\w+)$', out, re.M)
   assert frames[-1] == ('train_wds_cifar.py', 'parse'), out[-3000:]
   assert re.search(r"^ValueError: '\d' is not in list\n*\Z", out, re.M), out[-3000:]

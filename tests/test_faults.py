@@ -230,8 +230,11 @@ def test_failing_replica_ends_the_run_with_its_code(data, tmp_path):
   make_image_folder(folder, 'val', 1, size=16)
   (folder / 'train' / 'red' / 'broken.png').write_bytes(b'\x89PNG\r\n\x1a\n not an image')
   # With --seed 42 the broken image is the 19th of epoch 1: step 4 fails, steps 0-3 trained.
+  # The replica reads it itself (--num_workers 0: no fork server to start); a loader worker
+  # that reads a broken image: tests/test_single_core.py's test_corrupt_image_names_the_file_in_
+  # the_last_line.
   process = start_script('train_resnet_mp.py', '--datadir', folder, '--model', 'resnet18',
-                         '--img_dim', 16, '--batch_size', 4, '--num_workers', 2,
+                         '--img_dim', 16, '--batch_size', 4, '--num_workers', 0,
                          '--num_epochs', 1, '--log_steps', 1)
   code, out = finish(process, timeout=300)
   assert_one_error((code, out), 2, r'cannot read image \S*train/red/broken\.png')

@@ -339,7 +339,9 @@ def test_restarts_survive_a_preemption_and_a_lost_host_and_end_as_an_uninterrupt
   train = ['train_resnet_mp.py', '--fake_data', '--model', 'resnet18', '--img_dim', '16',
            '--batch_size', '4', '--test_set_batch_size', '4', '--num_epochs', '2', '--num_steps',
            '30', '--log_steps', '1', '--num_workers', '0', '--seed', str(rng.randint(0, 99))]
-  reference = run_script(*train, '--ckpt_dir', tmp_path / 'reference', timeout=300)
+  # The uninterrupted run in one process (--num_cores 1): a replica trains the same.
+  reference = run_script(*train, '--ckpt_dir', tmp_path / 'reference', '--num_cores', '1',
+                         timeout=300)
   assert reference.returncode == 0, both(reference)
   # Two hosts of their own (network namespaces, the same disk: a folder each, by the
   # {worker} placeholder); ssh gives up on a silent host after 2 to 3 s.

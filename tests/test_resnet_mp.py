@@ -24,6 +24,10 @@ def test_readme_quick_start_spawns_trains_and_reports(tmp_path):
   result = run_script(SCRIPT, *flags, '--results_json', tmp_path / 'r.json')
   assert result.returncode == 0, both(result)
   out = result.stdout
+  # The replica spawned (the learning run below trains in-process, --num_cores 1).
+  assert re.search(r'^Starting one replica per local XLA device \.\.\.\n'
+                   r'Replicas started: 1; compiling the first step \.\.\.\n'
+                   r'Epoch 1 train begin ', out, re.M), out[:2000]
   num_steps = int(flags[flags.index('--num_steps') + 1])
   batch_size = int(flags[flags.index('--batch_size') + 1])
   assert re.search(rf'^Epoch 1 Replica Train Samples={num_steps * batch_size} Device=xla:0/0$',
@@ -51,10 +55,15 @@ def test_learns_with_warmup_and_decay_then_a_diverged_run_goes_on_as_its_line_sa
           '--test_set_batch_size', 4, '--lr_scheduler_type', 'WarmupAndExponentialDecayScheduler',
           '--lr_warmup_epochs', 0.25, '--lr_scheduler_divide_every_n_epochs', 2, '--num_workers', 64,
           '--persistent_workers', '--log_steps', 5, '--ckpt_dir', ckpt_dir]
+  # Every run here in one process, --num_cores 1: what it learns and says is the replica's code
+  # alone, with or without a spawn (which the README's run above makes, and tests/test_faults.py's
+  # runs with a spawned replica's loader workers: trained, evaluated, stopped, killed). Its
+  # loader workers are then plain forks.
+  args += ['--num_cores', 1]
   result = run_script(SCRIPT, *args, '--num_epochs', 3, '--lr', 0.03,
                       '--results_json', tmp_path / 'r.json')
   assert result.returncode == 0, both(result)
-  # Its first lines, before the slow part: what it trains, then that replicas started. 64
+  # Its first lines, before the slow part: what it trains, then that its replica started. 64
   # loader workers are lowered to the CPUs it may use, before torch would warn.
   cpus = len(os.sched_getaffinity(0))
   assert re.match(
@@ -64,7 +73,7 @@ def test_learns_with_warmup_and_decay_then_a_diverged_run_goes_on_as_its_line_sa
       r'Recipe: SGD, lr 0\.03 linear warm-up over 0\.25 epochs, then divided by 5 every 2 epochs, '
       r"momentum 0\.9, weight decay 0\.0001 \(--lr and --lr_scheduler_type as given, the rest the "
       r"flags' defaults\)\n"
-      r'Starting one replica per local XLA device \.\.\.\n'
+      r'Starting one replica \(--num_cores 1\) \.\.\.\n'
       r'Replicas started: 1; compiling the first step \.\.\.\n'
       r'Epoch 1 train begin', result.stdout), result.stdout[:2000]
   assert 'This DataLoader will create' not in result.stderr, result.stderr  # torch's warning
@@ -93,10 +102,9 @@ def test_learns_with_warmup_and_decay_then_a_diverged_run_goes_on_as_its_line_sa
   assert 'Total train time' not in out, out
   assert not (ckpt_dir / 'ckpt-00000049.pt').exists() and saved.exists()  # Nothing saved.
   # Doing what it says: the lower --lr applies (scaled where the schedule is), and it learns.
-  # This run is also the one of --num_cores 1, one process with no replica spawned (to debug),
-  # and --metrics_debug: a run of their own once, now a process fewer. (Under torchrun:
+  # With --metrics_debug: a run of its own once, now a process fewer. (Under torchrun:
   # tests/test_copy.py, with and without supervisor.py, signals included.)
-  lower = run_script(SCRIPT, *args, '--num_epochs', 4, '--lr', 0.003, '--num_cores', 1,
+  lower = run_script(SCRIPT, *args, '--num_epochs', 4, '--lr', 0.003,
                      '--metrics_debug', '--results_json', tmp_path / 'lower.json')
   assert lower.returncode == 0, both(lower)
   assert re.search(r'^Starting one replica \(--num_cores 1\) \.\.\.$', lower.stdout, re.M), \
@@ -115,11 +123,13 @@ TINY_RUN = ['--fake_data', '--model', 'resnet18', '--img_dim', 16, '--batch_size
 
 def test_profile_serves_traces_with_named_steps(tmp_path):
   port = 9500 + os.getpid() % 400
+  # --num_cores 1: the replica's profiler server, in the command's own process (no spawn to
+  # pay for: the replica's code is the same).
   cmd = [sys.executable, SCRIPT, *TINY_RUN, '--num_steps', 100000, '--log_steps', 20,
-         '--profile', '--profiler_port', port]
+         '--profile', '--profiler_port', port, '--num_cores', 1]
   log = tmp_path / 'train.log'
   with open(log, 'w') as out:
-    # A session of its own: the replica is a child process, and both must go at the end.
+    # A session of its own: whatever it starts must go at the end too.
     run = subprocess.Popen(list(map(str, cmd)), cwd=REPO, env=script_env(), stdout=out,
                            stderr=subprocess.STDOUT, start_new_session=True)
   try:
@@ -178,8 +188,9 @@ def test_help_answers_before_torch_loads_and_into_a_closed_pipe(script):
 
 
 def test_too_little_data_for_a_batch_is_a_clear_error(tmp_path, colour_folder):
+  # Found by the replica as it makes its loaders: --num_cores 1 runs it in this process.
   result = run_script(SCRIPT, '--datadir', colour_folder, '--model', 'resnet18',
-                      '--batch_size', 300, '--num_workers', 0, timeout=300)
+                      '--batch_size', 300, '--num_workers', 0, '--num_cores', 1, timeout=300)
   assert_one_error(result, 2, r'^error: 256 training images make no batch of 300')
 
 
@@ -191,7 +202,10 @@ def test_killed_and_stopped_run_ends_bitwise_equal(tmp_path):
           '--test_set_batch_size', 4, '--num_epochs', 3, '--num_steps', 4, '--log_steps', 1,
           '--lr_scheduler_type', 'WarmupAndExponentialDecayScheduler',
           '--lr_scheduler_divide_every_n_epochs', 1, '--ckpt_every_steps', 2, '--amp']
-  reference = start_script(SCRIPT, *args, '--ckpt_dir', tmp_path / 'reference',
+  # The uninterrupted run and the resumed one train in one process (--num_cores 1): the stops
+  # are the spawned runs' (a replica's process to end), the resume and its bitwise equal
+  # training the replica's code alone, the same with or without a spawn.
+  reference = start_script(SCRIPT, *args, '--ckpt_dir', tmp_path / 'reference', '--num_cores', 1,
                            '--results_json', tmp_path / 'reference.json')
   ckpt_dir = tmp_path / 'ckpt'
   # With torch_xla's compile cache (written; XLA:CPU cannot read it back): the same training.
@@ -209,7 +223,7 @@ def test_killed_and_stopped_run_ends_bitwise_equal(tmp_path):
                    r'Stopped by SIGTERM at epoch \d step \d: saved \S+; run the same command to '
                    r'resume \(exit code 75\)$', out, re.M), out
 
-  result = run_script(SCRIPT, *run, '--results_json', tmp_path / 'r.json')
+  result = run_script(SCRIPT, *run, '--num_cores', 1, '--results_json', tmp_path / 'r.json')
   assert result.returncode == 0, result.stdout + result.stderr
   assert re.search(r'^Resumed from \S+ at epoch \d step \d$', result.stdout, re.M), result.stdout
   code, reference_out = finish(reference)
@@ -218,7 +232,7 @@ def test_killed_and_stopped_run_ends_bitwise_equal(tmp_path):
   assert resumed and all(uninterrupted[key] == loss for key, loss in resumed.items())
   assert_same_training(ckpt_dir, tmp_path / 'reference')
   assert read_json(tmp_path / 'r.json')['train_steps'] == 12
-  # One folder per replica process, one file per graph it compiled.
+  # One folder per replica process (replica 0's, spawned or not), one file per graph it compiled.
   assert [p.name for p in (tmp_path / 'cache').iterdir()] == ['process-0']
   assert len(list((tmp_path / 'cache' / 'process-0').iterdir())) >= 5
   # Saving every 2 steps compiles nothing new after the first epoch.

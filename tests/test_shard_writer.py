@@ -131,9 +131,12 @@ def test_printed_command_trains_on_a_small_set_as_printed(small_cifar, tmp_path)
   assert command[-4:] == ['--num_workers', '1', '--batch_size', '64'], command
   flags = read_json(tmp_path / 'flags.json')
   assert (flags['num_workers'], flags['batch_size']) == (1, 64)
-  # As printed; one epoch (of one step) instead of 30, to be short.
-  trained = run_script(command[1], *command[2:], '--num_epochs', 1)
+  # As printed; one epoch (of one step) instead of 30, to be short, and its replica in this
+  # process (--num_cores 1: the same replica code, no spawn nor fork server to import torch
+  # again; spawned replicas: tests/test_wds_cifar.py's test_stopped_run_ends_bitwise_equal).
+  trained = run_script(command[1], *command[2:], '--num_epochs', 1, '--num_cores', 1)
   assert trained.returncode == 0, trained.stdout + trained.stderr
+  assert 'Starting one replica (--num_cores 1) ...' in trained.stdout, trained.stdout
   assert re.search(r'^Epoch 1 Replica Train Samples=64 ', trained.stdout, re.M), trained.stdout
 
 

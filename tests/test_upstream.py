@@ -21,9 +21,10 @@ ACCUMULATION_TOLERANCE = 1e-4
 
 def train(project, tmp_path, name, *flags):
   """The project's train_resnet_mp.py with the small CNN, 3 epochs of 2 steps, every step
-  logged; returns (its output, its results)."""
+  logged, in one process (--num_cores 1: the replica's code, with no spawn to pay for; --ddp's
+  process group is one of world size 1 either way); returns (its output, its results)."""
   argv = ['train_resnet_mp.py', '--model', 'smallcnn', '--lr', '0.02', '--num_epochs', '3',
-          '--num_steps', '2', '--log_steps', '1', '--num_workers', '0',
+          '--num_steps', '2', '--log_steps', '1', '--num_workers', '0', '--num_cores', '1',
           '--results_json', tmp_path / f'{name}.json', *map(str, flags)]
   run = subprocess.run([sys.executable, *map(str, argv)], cwd=project, env=script_env(),
                        capture_output=True, text=True, timeout=600)
@@ -98,33 +99,58 @@ def upstream_table():
 # Each flag parsed as app.run parses it (utils.parse_flags, with the script's lines for other
 # scripts' flags), one process per script: a flag the script has is said as "has". Then the
 # script's own command line with one of them (its __main__ block run again, as %run does: its
-# own parser, as app.run calls it), said as "command".
+# own parser, as app.run calls it), said as "command". The process of each script is a fork of
+# one that imported, once, the modules every script imports (torch, torch_xla, ...: seconds of
+# CPU a process); the script's own module, its flags and its parser are its own.
 PARSE_EACH = textwrap.dedent('''
-    import contextlib, importlib, io, os, runpy, sys
-    answers = os.fdopen(os.dup(1), 'w')  # utils.die sends stdout to /dev/null after its line.
-    path, command = sys.argv[1], sys.argv[2:]
-    sys.argv = [path]
-    script = importlib.import_module(path[:-3])
-    import utils
-    from absl import flags
-    elsewhere = {**script.supervisor.UPSTREAM_FLAGS, **getattr(script, 'ELSEWHERE', {})}
+    import contextlib, importlib, io, os, runpy, sys, traceback
+    import absl.app, absl.flags, torch, torch_xla, torch_xla.core.xla_model, torchvision
+    import torch_xla.distributed.parallel_loader, torch_xla.debug.profiler, torch_xla.runtime
+    import torch.utils.tensorboard, supervisor, utils
+    given = sys.stdin.read().split()
 
-    def said(call):
-      err = io.StringIO()
-      with contextlib.redirect_stderr(err):
+    def parse_each(path, command):
+      answers = os.fdopen(os.dup(1), 'w')  # utils.die sends stdout to /dev/null after its line.
+      sys.argv = [path]
+      script = importlib.import_module(path[:-3])
+      from absl import flags
+      elsewhere = {**script.supervisor.UPSTREAM_FLAGS, **getattr(script, 'ELSEWHERE', {})}
+
+      def said(call):
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+          try:
+            call()
+            return 'parsed'
+          except SystemExit as e:
+            return f'{e.code} ' + err.getvalue().strip().replace(chr(10), ' | ')
+
+      for flag in given:
+        answer = 'has' if flag[2:] in flags.FLAGS else said(
+            lambda: utils.parse_flags([path, flag], elsewhere))
+        print(path, flag, '=>', answer, file=answers)
+      sys.argv = [path, *command]
+      print(path, 'command =>', said(lambda: runpy.run_path(path, run_name='__main__')),
+            file=answers)
+      answers.flush()
+
+    failed = 0
+    for path, *command in (line.split() for line in sys.argv[1:]):
+      sys.stdout.flush()
+      sys.stderr.flush()
+      pid = os.fork()
+      if pid == 0:  # Ends with os._exit: not the parent's exit handlers.
+        code = 1
         try:
-          call()
-          return 'parsed'
-        except SystemExit as e:
-          return f'{e.code} ' + err.getvalue().strip().replace(chr(10), ' | ')
-
-    for flag in sys.stdin.read().split():
-      answer = 'has' if flag[2:] in flags.FLAGS else said(
-          lambda: utils.parse_flags([path, flag], elsewhere))
-      print(flag, '=>', answer, file=answers)
-    sys.argv = [path, *command]
-    print('command =>', said(lambda: runpy.run_path(path, run_name='__main__')), file=answers)
-    answers.flush()
+          parse_each(path, command)
+          code = 0
+        except BaseException:
+          traceback.print_exc()
+        finally:
+          sys.stderr.flush()
+          os._exit(code)
+      failed |= os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) != 0
+    sys.exit(failed)
 ''')
 # The flags that found absl's guess pointing at an unrelated flag, and others, each through a
 # script's own command line.
@@ -139,13 +165,15 @@ def test_every_upstream_flag_of_the_table_is_this_scripts_or_one_line_naming_wha
   assert len(table) >= 60, table
   given = ' '.join(f'--{flag}' for flag, _, _ in table)
   wrong = []
+  done = subprocess.run([sys.executable, '-c', PARSE_EACH,
+                         *(f'{script} {COMMANDS[script][0]} 2 --fake_data' for script in SCRIPTS)],
+                        input=given, cwd=REPO, env=script_env(), capture_output=True, text=True,
+                        timeout=600)
+  assert done.returncode == 0, both(done)
+  answers = [line.split(' ', 1) for line in done.stdout.splitlines() if ' => ' in line]
   for script in SCRIPTS:
+    said = dict(answer.split(' => ', 1) for name, answer in answers if name == script)
     flag, line = COMMANDS[script]
-    done = subprocess.run([sys.executable, '-c', PARSE_EACH, script, flag, '2', '--fake_data'],
-                          input=given, cwd=REPO, env=script_env(), capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0, both(done)
-    said = dict(line.split(' => ', 1) for line in done.stdout.splitlines() if ' => ' in line)
     command = said.pop('command')
     if not command.startswith(f'2 error: {flag}: {line}') or ' | ' in command:
       wrong.append(f'{script} {flag} 2 --fake_data: {command}')

@@ -972,9 +972,9 @@ def test_photos_as_jpeg_shards_over_http_learn_as_their_folders_do(photo_shards,
   # train_single_core.py does, in one process (--num_cores 1: no replica to start, its loader
   # workers forked). Replicas with spawned workers read these shards in
   # test_stopped_run_ends_bitwise_equal, and shards over http in
-  # test_trains_on_the_tutorials_shards_over_http_to_high_accuracy. Two epochs: it has 20 of 21
-  # after the first already, and the second counts the bad sample again and shows that nothing
-  # new is compiled (a third was 16 more steps, a minute of CPU, for no other check).
+  # test_a_server_that_stops_answering_mid_epoch_ends_the_run_in_one_line. Two epochs: it has
+  # 20 of 21 after the first already, and the second counts the bad sample again and shows that
+  # nothing new is compiled (a third was 16 more steps, a minute of CPU, for no other check).
   folder, data = photo_shards
   server, url = served(folder)
   urls = {flag: data[flag].replace(str(folder), url) for flag in ('wds_traindir', 'wds_testdir')}
@@ -1015,8 +1015,12 @@ def test_trains_on_the_tutorials_shards_over_http_to_high_accuracy(http_shards, 
       '--wds_testdir', http_shards + '/tutorial/val/cifar-val-{000000..000003}.tar',
       '--testsize', 200, '--batch_size', 16, '--test_set_batch_size', 64, '--num_epochs', 1,
       '--lr', 0.01, '--num_workers', 2, '--shuffle_buffer', 100, '--log_steps', 10,
-      '--ckpt_dir', tmp_path / 'ckpt', '--results_json', tmp_path / 'r.json')
+      '--ckpt_dir', tmp_path / 'ckpt', '--results_json', tmp_path / 'r.json', '--num_cores', 1)
   assert result.returncode == 0, both(result)
+  # In one process (--num_cores 1): the reading, the bad samples and the accuracy are the
+  # replica's code; a spawned replica's workers read over HTTP in
+  # test_a_server_that_stops_answering_mid_epoch_ends_the_run_in_one_line.
+  assert re.search(r'^Starting one replica \(--num_cores 1\) \.\.\.$', result.stdout, re.M)
   # What it trains on, said first, as the image-folder scripts say it: 10 classes by default,
   # where the colours are 4.
   assert re.search(r'^Data: 480 training samples in 10 shards and 200 evaluation samples in 4, '
@@ -1263,7 +1267,10 @@ def test_stopped_run_ends_bitwise_equal(photo_shards, tmp_path):
           '--wds_testdir', data['wds_testdir'], '--img_dim', 40, '--batch_size', 8,
           '--test_set_batch_size', 16, '--num_epochs', 2, '--num_steps', 5, '--num_workers', 2,
           '--shuffle_buffer', 40, '--log_steps', 1, '--lr', 0.05, '--ckpt_every_steps', 2]
-  reference = start_script('train_wds_cifar.py', *args, '--ckpt_dir', tmp_path / 'reference')
+  # The reference and the last resume in one process (--num_cores 1, loader workers forked):
+  # a replica trains the same; the two stops below are of a spawned replica and its workers.
+  reference = start_script('train_wds_cifar.py', *args, '--ckpt_dir', tmp_path / 'reference',
+                           '--num_cores', 1)
   ckpt_dir = tmp_path / 'ckpt'
   # With torch_xla's compile cache (written; XLA:CPU cannot read it back): the same training.
   run = args + ['--ckpt_dir', ckpt_dir, '--compile_cache_dir', tmp_path / 'cache']
@@ -1286,9 +1293,10 @@ def test_stopped_run_ends_bitwise_equal(photo_shards, tmp_path):
   assert code == 75, out + rest
   assert re.search(r'^Stopped by SIGTERM at epoch \d step \d: saved ', rest, re.M), out + rest
 
-  result = run_script('train_wds_cifar.py', *run)
+  result = run_script('train_wds_cifar.py', *run, '--num_cores', 1)
   assert result.returncode == 0, result.stdout + result.stderr
   assert re.search(r'^Resumed from \S+ at epoch \d step \d$', result.stdout, re.M)
+  assert re.search(r'^Starting one replica \(--num_cores 1\) \.\.\.$', result.stdout, re.M)
   code, reference_out = finish(reference)
   assert code == 0, reference_out
   resumed, uninterrupted = training_losses(result.stdout), training_losses(reference_out)
