@@ -42,6 +42,11 @@ TRAIN_LINE = re.compile(r'^\| Training Device=xla:0/0 Epoch=(\d+) Step=(\d+) Los
                         r'Rate=[\d.]+ GlobalRate=[\d.]+ Time=\d\d:\d\d:\d\d$', re.M)
 
 
+# What a train_resnet_mp.py or train_wds_cifar.py run prints with --num_cores 1: its replica in
+# the command's own process, with no spawn (tests whose subject is not the spawn run so).
+ONE_PROCESS = re.compile(r'^Starting one replica \(--num_cores 1\) \.\.\.$', re.M)
+
+
 def losses(stdout):
   return [float(m.group(3)) for m in TRAIN_LINE.finditer(stdout)]
 

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import (REPO, assert_nothing_left, assert_one_error, make_cifar_python,
+from conftest import (ONE_PROCESS, REPO, assert_nothing_left, assert_one_error, make_cifar_python,
                       read_json, script_env, training_losses, wait_for)
 from test_faults import REPLICA_ENDS, run_replica_pool
 
@@ -116,7 +116,7 @@ def test_kit_alone_stops_on_sigterm_and_resumes(tmp_path):
   resumed = start_in(project, *argv, '--results_json', tmp_path / 'r.json', '--num_cores', 1)
   out, _ = resumed.communicate(timeout=600)
   assert resumed.returncode == 0, out[-3000:]
-  assert re.search(r'^Starting one replica \(--num_cores 1\) \.\.\.$', out, re.M), out
+  assert ONE_PROCESS.search(out), out
   assert re.search(rf'^Resumed from \S+ at epoch {stopped[1]} step {stopped[2]}$', out, re.M), out
   assert read_json(tmp_path / 'r.json')['train_steps'] == 8
 
@@ -200,7 +200,7 @@ def test_a_stop_trains_the_step_the_signal_lands_in_and_two_more_and_saves_them(
   timer.cancel()
   out += rest
   assert process.returncode == 130, out
-  assert re.search(r'^Starting one replica \(--num_cores 1\) \.\.\.$', out, re.M), out
+  assert ONE_PROCESS.search(out), out
   assert sorted(os.listdir(tmp_path / 'ckpt')) == ['.lock', 'ckpt-00000011.pt'], out
   held = torch.load(tmp_path / 'ckpt' / 'ckpt-00000011.pt', weights_only=True)
   assert (held['epoch'], held['step']) == (1, 11)
@@ -371,7 +371,7 @@ def test_kit_alone_ends_a_diverging_run_and_a_replica_says_a_bad_path_in_one_lin
   missing = start_in(tmp_path / 'mp', 'train_resnet_mp.py', '--datadir', tmp_path / 'nowhere',
                      '--model', 'resnet18', '--img_dim', 16, '--num_cores', 1)
   out, _ = missing.communicate(timeout=600)
-  assert re.search(r'^Starting one replica \(--num_cores 1\) \.\.\.$', out, re.M), out
+  assert ONE_PROCESS.search(out), out
   assert_one_error((missing.returncode, out), 2, r'^error: \S+/nowhere/train is not a folder: '
                    r'\S+/nowhere needs train and val with one folder of images per class')
 
@@ -478,7 +478,7 @@ def test_kit_alone_ends_a_run_whose_labels_or_model_outputs_are_not_the_classes(
                      '--num_epochs', 1, '--log_steps', 1, '--num_workers', 0, '--num_cores', 1)
   out, _ = process.communicate(timeout=600)
   assert_one_error((process.returncode, out), 2, error)
-  assert re.search(r'^Starting one replica \(--num_cores 1\) \.\.\.$', out, re.M), out
+  assert ONE_PROCESS.search(out), out
   assert 'test end' not in out, out
 
 
@@ -511,7 +511,7 @@ def test_kit_alone_a_bug_in_a_copiers_parse_is_its_traceback_not_a_bad_shard(tmp
                      '--num_cores', 1)
   out, _ = process.communicate(timeout=300)
   assert process.returncode == 1, out[-3000:]
-  assert re.search(r'^Starting one replica \(--num_cores 1\) \.\.\.$', out, re.M), out
+  assert ONE_PROCESS.search(out), out
   frames = re.findall(r'^  File "[^"]*/([^/"]+)", line \d+, in (\w+)$', out, re.M)
   assert frames[-1] == ('train_wds_cifar.py', 'parse'), out[-3000:]
   assert re.search(r"^ValueError: '\d' is not in list\n*\Z", out, re.M), out[-3000:]

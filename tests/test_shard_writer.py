@@ -17,8 +17,8 @@ import pytest
 
 import make_cifar_shards
 import utils
-from conftest import (assert_one_error, both, finish, make_cifar_python, read_json, run_script,
-                      start_script, wait_for)
+from conftest import (ONE_PROCESS, assert_one_error, both, finish, make_cifar_python, read_json,
+                      run_script, start_script, wait_for)
 
 PROGRESS = re.compile(r'^([\d,]+) of ([\d,]+) samples written \((\d+)%\), [\d,]+ samples/s, '
                       r'(\d+:\d\d:\d\d left|done in \d+:\d\d:\d\d)$')
@@ -136,7 +136,7 @@ def test_printed_command_trains_on_a_small_set_as_printed(small_cifar, tmp_path)
   # again; spawned replicas: tests/test_wds_cifar.py's test_stopped_run_ends_bitwise_equal).
   trained = run_script(command[1], *command[2:], '--num_epochs', 1, '--num_cores', 1)
   assert trained.returncode == 0, trained.stdout + trained.stderr
-  assert 'Starting one replica (--num_cores 1) ...' in trained.stdout, trained.stdout
+  assert ONE_PROCESS.search(trained.stdout), trained.stdout
   assert re.search(r'^Epoch 1 Replica Train Samples=64 ', trained.stdout, re.M), trained.stdout
 
 

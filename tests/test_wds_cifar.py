@@ -36,7 +36,7 @@ import supervisor
 import train_wds_cifar
 import train_wds_cifar as wds_cifar
 import utils
-from conftest import (COLOURS, REPO, SlowLink, assert_nothing_left, assert_one_error,
+from conftest import (COLOURS, ONE_PROCESS, REPO, SlowLink, assert_nothing_left, assert_one_error,
                       assert_same_training, both, closed_port, crafted_jpeg, finish, loader_processes,
                       make_cifar_python, make_image_folder, oversized_image, read_json,
                       run_and_signal, run_script, script_env, seeded_random, start_script,
@@ -517,7 +517,7 @@ def test_shard_cut_inside_a_tar_header_is_a_bad_shard(shards, tmp_path, capsys):
   assert_one_error(result, 2, r'shard \S+cifar-test-000001\.tar cannot be read to the end \(it '
                    r'ends inside a tar header, after \d+ bytes: the rest of it is lost\): replace '
                    r'it, or drop --fail_on_bad_data')
-  assert re.search(r'^Starting one replica \(--num_cores 1\) \.\.\.$', result.stdout, re.M), \
+  assert ONE_PROCESS.search(result.stdout), \
       result.stdout
 
 
@@ -987,7 +987,7 @@ def test_photos_as_jpeg_shards_over_http_learn_as_their_folders_do(photo_shards,
       '--num_cores', 1, '--results_json', tmp_path / 'r.json')
   server.shutdown()
   assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-  assert re.search(r'^Starting one replica \(--num_cores 1\) \.\.\.$', result.stdout, re.M), \
+  assert ONE_PROCESS.search(result.stdout), \
       result.stdout
   assert re.search(r'^Data: 257 training samples in 17 shards and 21 evaluation samples in 2, at '
                    r'3x40x40 uint8, 4 classes \(the classes file beside the training shards\)\n'
@@ -1020,7 +1020,7 @@ def test_trains_on_the_tutorials_shards_over_http_to_high_accuracy(http_shards, 
   # In one process (--num_cores 1): the reading, the bad samples and the accuracy are the
   # replica's code; a spawned replica's workers read over HTTP in
   # test_a_server_that_stops_answering_mid_epoch_ends_the_run_in_one_line.
-  assert re.search(r'^Starting one replica \(--num_cores 1\) \.\.\.$', result.stdout, re.M)
+  assert ONE_PROCESS.search(result.stdout)
   # What it trains on, said first, as the image-folder scripts say it: 10 classes by default,
   # where the colours are 4.
   assert re.search(r'^Data: 480 training samples in 10 shards and 200 evaluation samples in 4, '
@@ -1086,7 +1086,7 @@ def test_a_test_shard_that_never_ends_is_one_line(shards, tmp_path):
                    r'twice --testsize \(the last: sample 00000024 of http://\S+/endless-test-'
                    r'000000\.tar\): a shard that does not end, or give the right --testsize; check '
                    r'the shards and their server$')
-  assert re.search(r'^Starting one replica \(--num_cores 1\) \.\.\.$', result.stdout, re.M), \
+  assert ONE_PROCESS.search(result.stdout), \
       result.stdout
 
 
@@ -1117,7 +1117,7 @@ def test_a_stalled_evaluation_then_a_resume_on_other_shards_are_each_one_line(sh
   run = run_script('train_wds_cifar.py', *args, '--trainsize', 16, '--wds_testdir',
                    tmp_path / 'bad-test-000000.tar', '--num_cores', 1, timeout=300)
   assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
-  assert re.search(r'^Starting one replica \(--num_cores 1\) \.\.\.$', run.stdout, re.M), \
+  assert ONE_PROCESS.search(run.stdout), \
       run.stdout
   for said in (read, run.stderr):
     assert re.search(r'^warning: --num_classes 10 is more than the 4 classes of the classes file '
@@ -1296,7 +1296,7 @@ def test_stopped_run_ends_bitwise_equal(photo_shards, tmp_path):
   result = run_script('train_wds_cifar.py', *run, '--num_cores', 1)
   assert result.returncode == 0, result.stdout + result.stderr
   assert re.search(r'^Resumed from \S+ at epoch \d step \d$', result.stdout, re.M)
-  assert re.search(r'^Starting one replica \(--num_cores 1\) \.\.\.$', result.stdout, re.M)
+  assert ONE_PROCESS.search(result.stdout)
   code, reference_out = finish(reference)
   assert code == 0, reference_out
   resumed, uninterrupted = training_losses(result.stdout), training_losses(reference_out)
