@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: BSD-3-Clause
-"""train_resnet_mp.py end to end on XLA:CPU: the spawn runs for real, with one replica."""
+"""train_resnet_mp.py end to end on XLA:CPU: the spawn runs for real, with one replica, where it
+is the subject; the other runs train in the command's own process (--num_cores 1)."""
 
 import os
 import re
