@@ -16,6 +16,7 @@ import uuid
 import fsspec
 import torch
 import torch.distributed.checkpoint as dcp
+import torch_xla
 # torch 2.9 has no public name for these (tests/test_private_names.py).
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 from torch_xla.experimental.distributed_checkpoint import (SPMDLoadPlanner, SPMDSavePlanner,
@@ -89,9 +90,10 @@ def read_sharded(state, weights, optimizer):
   """Loads the shards of a write_sharded checkpoint into the model's weights (its state_dict)
   and the optimizer's state, in place: each host reads what its devices hold on this run's mesh,
   whatever the mesh that wrote them. Returns the state with the optimizer's state_dict whole."""
-  if not optimizer.state:  # Its state to load into, made by a step of zero gradients, sharded
-    prime_optimizer(optimizer)  # as its weights are (else it loads whole on every device).
+  if not optimizer.state:  # Its state to load into (utils.make_optimizer_state's, else made by a
+    prime_optimizer(optimizer)  # step of zero gradients), sharded as its weights are.
     optimizer.zero_grad(set_to_none=True)  # The first step's graph as a fresh run's.
+  torch_xla.sync()  # That state on the devices, where the shards load.
   groups = [len(group['params']) for group in optimizer.param_groups]
   if groups != [len(group['params']) for group in state['optimizer']['param_groups']]:
     raise utils.UsageError(f'checkpoint {state["shards"]} was saved with other parameter groups '

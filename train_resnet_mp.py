@@ -233,6 +233,7 @@ def start_run(cfg, num_classes, steps_per_epoch, stop_signal):
   if cfg.ddp or cfg.pjrt_distributed:  # torch.distributed over XLA's collectives, as upstream's.
     torch.distributed.init_process_group('xla', init_method='xla://')
   optimizer = build_optimizer(cfg, model)
+  utils.make_optimizer_state(optimizer)  # Before the first step: one graph less.
   scheduler = None
   if cfg.lr_scheduler_type == 'WarmupAndExponentialDecayScheduler':
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: utils.warmup_step_decay(

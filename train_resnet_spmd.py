@@ -289,6 +289,7 @@ def start_run(cfg, num_classes, steps_per_epoch, stop_signal, mesh):
   # Every host builds the same weights from the same seed, and keeps its devices' shards.
   model = shard_model(build_model(cfg, num_classes), mesh, cfg)
   optimizer = build_optimizer(cfg, model)
+  utils.make_optimizer_state(optimizer)  # Before the first step: one graph less.
   scheduler = None
   if cfg.lr_scheduler_type == 'WarmupAndExponentialDecayScheduler':
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: utils.warmup_step_decay(
@@ -308,6 +309,11 @@ def start_run(cfg, num_classes, steps_per_epoch, stop_signal, mesh):
                                            run.results['world_size'], sharded=True)
   if state is not None:
     utils.say_resumed(path, state, vars(cfg), restore_checkpoint(run, state))
+  # The model's buffers (BatchNorm's statistics) whole on every device, marked so as a step's
+  # outputs are: unmarked, the first step would compile a graph of its own. After the restore,
+  # which loads them unmarked.
+  for buffer in model.buffers():
+    xs.mark_sharding(buffer, mesh, (None,) * buffer.dim())
   run.log = utils.StepLog(device, writer, run.results['history'])  # After the restore.
   # The profiler serves TensorBoard's captures, and --profile_step's, while this run is held.
   run.profiler = (xp.start_server(cfg.profiler_port)
@@ -329,13 +335,15 @@ def shard_model(model, mesh, cfg):
       for module in model.modules():
         if isinstance(module, BLOCKS):
           checkpoint_module(module)  # Wraps its forward, in place.
-    return model.to(torch_xla.device())
-  wrap = ((lambda module, *args, **kwargs: FSDPv2(checkpoint_module(module), *args, **kwargs))
-          if cfg.use_gradient_checkpointing else None)
-  # extra_data_axis: the output (the logits) sharded along the batch, as the input is.
-  return FSDPv2(model, mesh=mesh, extra_data_axis='data', auto_wrapper_callable=wrap,
-                auto_wrap_policy=functools.partial(transformer_auto_wrap_policy,
-                                                   transformer_layer_cls=set(BLOCKS)))
+    model = model.to(torch_xla.device())
+  else:
+    wrap = ((lambda module, *args, **kwargs: FSDPv2(checkpoint_module(module), *args, **kwargs))
+            if cfg.use_gradient_checkpointing else None)
+    # extra_data_axis: the output (the logits) sharded along the batch, as the input is.
+    model = FSDPv2(model, mesh=mesh, extra_data_axis='data', auto_wrapper_callable=wrap,
+                   auto_wrap_policy=functools.partial(transformer_auto_wrap_policy,
+                                                      transformer_layer_cls=set(BLOCKS)))
+  return model
 
 
 def weights(model):

@@ -211,6 +211,7 @@ def start_run(cfg, num_classes, steps_per_epoch, stop_signal):
   model = build_model(cfg, num_classes)
   model = model.to(device)
   optimizer = build_optimizer(cfg, model)
+  utils.make_optimizer_state(optimizer)  # Before the first step: one graph less.
   scheduler = None
   if cfg.lr_scheduler_type == 'WarmupAndExponentialDecayScheduler':
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: utils.warmup_step_decay(

@@ -281,8 +281,9 @@ def test_the_docs_adamw_under_fsdp_resumes_at_any_step_as_the_run_it_goes_on(tmp
   # --sharding fsdp on 3 devices, which divide none of the head's 1000 rows. A fresh run, and
   # the same command in folders that hold what a run killed after its first or third save left
   # (epoch 1 step 2, epoch 2 step 2): each resume holds on each device what the fresh run does
-  # (the moments sharded, not whole), compiles one graph more (the optimizer's state made to
-  # load into), and saves checkpoints equal to the fresh run's, bit for bit and chunk for chunk.
+  # (the moments sharded, not whole), compiles the graphs it compiled (AdamW's state made before
+  # the first step in both), and saves checkpoints equal to the fresh run's, bit for bit and
+  # chunk for chunk.
   page = (REPO / 'docs' / 'adapt.md').read_text()
   block = re.search(r'^```python\n(def build_optimizer\(.*?)^```', page, re.M | re.S)[1]
   source = (REPO / SCRIPT).read_text()
@@ -325,7 +326,7 @@ def test_the_docs_adamw_under_fsdp_resumes_at_any_step_as_the_run_it_goes_on(tmp
     assert re.search(rf'^Resumed from \S+ckpt-{step:08d}\.pt at epoch {epoch} step 2$', out, re.M)
     results = read_json(tmp_path / f'from{step}.json')
     assert results['bytes_per_device'] == held['bytes_per_device'], out
-    assert results['compilations'] == held['compilations'] + 1, out
+    assert results['compilations'] == held['compilations'], out
     assert re.search(rf'^Graphs compiled: {results["compilations"]}, none after epoch {epoch}$',
                      out, re.M), out
     assert 'GSPMD' not in out and 'Traceback' not in out, out  # XLA's C++ warnings: quiet.
