@@ -366,9 +366,11 @@ def normalize(images, mean=IMAGENET_MEAN, std=IMAGENET_STD):
 
 @functools.lru_cache
 def _channel_constants(mean, std, device):
-  """255 x mean and 1 / (255 x std), C x 1 x 1 on the device: made once, not sent every step."""
-  return (torch.tensor([255 * m for m in mean], device=device).view(-1, 1, 1),
-          torch.tensor([1 / (255 * s) for s in std], device=device).view(-1, 1, 1))
+  """255 x mean and 1 / (255 x std), C x 1 x 1 on the device: made once, not sent every step.
+  Shaped on the host: a view made on the device would be an input of another shape in the
+  first step's graph than in the later ones' (a graph more)."""
+  return (torch.tensor([255 * m for m in mean]).view(-1, 1, 1).to(device),
+          torch.tensor([1 / (255 * s) for s in std]).view(-1, 1, 1).to(device))
 
 
 def check_scores(output, labels, num_classes):

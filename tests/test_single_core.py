@@ -32,6 +32,12 @@ def convolution_types(hlo_dump_dir):
   return set(re.findall(r'= (\w+)\[[\d,]*\]\{[\d,]*\} convolution\(', dumped_hlo(hlo_dump_dir)))
 
 
+def graphs_taking(hlo_dump_dir, batch):
+  """The distinct dumped graphs, by their inputs, that take a batch of this type (u8[16,3,32,32])."""
+  return {inputs for inputs in re.findall(r'^HloModule [^,]+, entry_computation_layout=\{\((.*)\)->',
+                                          dumped_hlo(hlo_dump_dir), re.M) if f'{batch}{{' in inputs}
+
+
 def batch_parameters(hlo_dump_dir):
   """Types of the image-shaped (N x 3 x H x W) inputs of the dumped graphs."""
   return set(re.findall(r'= (\w+\[\d+,3,\d+,\d+\])\{[\d,]*\} parameter\(',
@@ -131,6 +137,9 @@ def test_learns_counts_every_val_image_once_and_compiles_only_in_epoch_1(tmp_pat
   inputs = batch_parameters(tmp_path)
   assert {'u8[16,3,32,32]', 'u8[4,3,32,32]'} <= inputs and not {
       'f32[16,3,32,32]', 'f32[4,3,32,32]'} & inputs, inputs
+  # The training step is one graph from the first step on: the momentum is made before that
+  # step (utils.make_optimizer_state), not in it, which compiled a graph of its own.
+  assert len(graphs_taking(tmp_path, 'u8[16,3,32,32]')) == 1
   # Without --amp or --bf16: float32 (the control for the bf16 and amp tests).
   assert convolution_types(tmp_path) == {'f32'}
   assert not results['amp'] and not results['bf16']
