@@ -335,15 +335,13 @@ def shard_model(model, mesh, cfg):
       for module in model.modules():
         if isinstance(module, BLOCKS):
           checkpoint_module(module)  # Wraps its forward, in place.
-    model = model.to(torch_xla.device())
-  else:
-    wrap = ((lambda module, *args, **kwargs: FSDPv2(checkpoint_module(module), *args, **kwargs))
-            if cfg.use_gradient_checkpointing else None)
-    # extra_data_axis: the output (the logits) sharded along the batch, as the input is.
-    model = FSDPv2(model, mesh=mesh, extra_data_axis='data', auto_wrapper_callable=wrap,
-                   auto_wrap_policy=functools.partial(transformer_auto_wrap_policy,
-                                                      transformer_layer_cls=set(BLOCKS)))
-  return model
+    return model.to(torch_xla.device())
+  wrap = ((lambda module, *args, **kwargs: FSDPv2(checkpoint_module(module), *args, **kwargs))
+          if cfg.use_gradient_checkpointing else None)
+  # extra_data_axis: the output (the logits) sharded along the batch, as the input is.
+  return FSDPv2(model, mesh=mesh, extra_data_axis='data', auto_wrapper_callable=wrap,
+                auto_wrap_policy=functools.partial(transformer_auto_wrap_policy,
+                                                   transformer_layer_cls=set(BLOCKS)))
 
 
 def weights(model):
