@@ -57,12 +57,12 @@ flags.DEFINE_integer('bench_batch_size', 16, 'Batch size of every run.')
 TRAIN_LINE = re.compile(r'^\| Training .* Step=(\d+) ', re.M)
 
 
-def start(script, args, devices=None):
+def start(script, args, devices=None, stderr=subprocess.DEVNULL):
   env = dict(os.environ, PJRT_DEVICE=os.environ.get('PJRT_DEVICE', 'CPU'), PYTHONUNBUFFERED='1')
   if devices:  # XLA:CPU devices, for the SPMD script.
     env['CPU_NUM_DEVICES'] = str(devices)
   return subprocess.Popen([sys.executable, str(REPO / script), *map(str, args)], cwd=REPO,
-                          env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                          env=env, stdout=subprocess.PIPE, stderr=stderr, text=True,
                           start_new_session=True)
 
 
@@ -72,10 +72,10 @@ def run(script, *args, devices=None):
   the first, the share of its wall time (training, evaluation and saving) in which graphs
   executed, from the metrics report --metrics_debug prints as each epoch ends;
   results['peak_mb']: the largest memory the run's processes held (their peak RSS)."""
-  with tempfile.TemporaryDirectory() as tmp:
+  with tempfile.TemporaryDirectory() as tmp, open(pathlib.Path(tmp, 'stderr'), 'w+') as errors:
     out = pathlib.Path(tmp, 'results.json')
     began, first, reports, metric = time.time(), None, [], None
-    proc = start(script, [*args, '--metrics_debug', '--results_json', out], devices)
+    proc = start(script, [*args, '--metrics_debug', '--results_json', out], devices, errors)
     for line in proc.stdout:
       if first is None and TRAIN_LINE.match(line):
         first = time.time() - began
@@ -88,9 +88,10 @@ def run(script, *args, devices=None):
       elif metric in ('ExecuteTime', 'ExecuteReplicatedTime') and 'Accumulator:' in line:
         reports[-1][1] += seconds(line.split()[1])
     _, status, usage = os.wait4(proc.pid, 0)  # Its rusage: its replicas' peak too.
-    if os.waitstatus_to_exitcode(status) != 0:
+    if os.waitstatus_to_exitcode(status) != 0:  # Its last lines on stderr say why.
+      errors.seek(0)
       sys.exit(f'{script} {" ".join(map(str, args))} failed with exit code '
-               f'{os.waitstatus_to_exitcode(status)}')
+               f'{os.waitstatus_to_exitcode(status)}:\n' + ''.join(errors.readlines()[-15:]))
     proc.returncode = os.waitstatus_to_exitcode(status)
     results = json.loads(out.read_text())
     results['peak_mb'] = usage.ru_maxrss / 1024  # KiB on Linux
