@@ -337,13 +337,15 @@ def test_restarts_survive_a_preemption_and_a_lost_host_and_end_as_an_uninterrupt
   rng = seeded_random()
   preempted_at = rng.randint(1, 3)
   # 30 steps an epoch: after the restart, each worker compiles again and has most of its run
-  # left while the other's lost host is found out (2 to 3 s).
+  # left while the other's lost host is found out (2 to 3 s). Each worker's command is its
+  # replica (--num_cores 1): the restarts are the subject; a spawned replica stopped under
+  # launch_pod is the Ctrl-C test's.
   train = ['train_resnet_mp.py', '--fake_data', '--model', 'resnet18', '--img_dim', '16',
            '--batch_size', '4', '--test_set_batch_size', '4', '--num_epochs', '2', '--num_steps',
-           '30', '--log_steps', '1', '--num_workers', '0', '--seed', str(rng.randint(0, 99))]
-  # The uninterrupted run in one process (--num_cores 1): a replica trains the same.
-  reference = run_script(*train, '--ckpt_dir', tmp_path / 'reference', '--num_cores', '1',
-                         timeout=300)
+           '30', '--log_steps', '1', '--num_workers', '0', '--seed', str(rng.randint(0, 99)),
+           '--num_cores', '1']
+  # The uninterrupted run: the same command, with no launcher.
+  reference = run_script(*train, '--ckpt_dir', tmp_path / 'reference', timeout=300)
   assert reference.returncode == 0, both(reference)
   # Two hosts of their own (network namespaces, the same disk: a folder each, by the
   # {worker} placeholder); ssh gives up on a silent host after 2 to 3 s.
