@@ -44,6 +44,7 @@ def write_sharded(state, ckpt_dir, keep, best):
       except RuntimeError:
         raise utils.UsageError(f'process 0 ended before checkpoint {folder} was written: its '
                                'line says why') from None
+    torch_xla.sync(wait=True)  # The planner reads each tensor's shards: none may be in flight.
     try:
       dcp.save(tensors, storage_writer=ShardsWriter(folder, save_id),
                planner=SPMDSavePlanner(), no_dist=not torch.distributed.is_initialized())
@@ -93,7 +94,7 @@ def read_sharded(state, weights, optimizer):
   if not optimizer.state:  # Its state to load into (utils.make_optimizer_state's, else made by a
     prime_optimizer(optimizer)  # step of zero gradients), sharded as its weights are.
     optimizer.zero_grad(set_to_none=True)  # The first step's graph as a fresh run's.
-  torch_xla.sync()  # That state on the devices, where the shards load.
+  torch_xla.sync(wait=True)  # That state on the devices, done: the planner reads its shards.
   groups = [len(group['params']) for group in optimizer.param_groups]
   if groups != [len(group['params']) for group in state['optimizer']['param_groups']]:
     raise utils.UsageError(f'checkpoint {state["shards"]} was saved with other parameter groups '
