@@ -46,8 +46,8 @@ LONGEST_FIRST = ['test_wds_cifar.py', 'test_launch_pod.py', 'test_resnet_mp.py',
 
 
 def pytest_collection_modifyitems(items):
-  rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-  items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # Stable: a file keeps its order.
+  rank = {name: i for i, name in enumerate(LONGEST_FIRST)}  # A stable sort: a file keeps its order.
+  items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
 
 
 # Distinct colours: a small CNN tells them apart within a few dozen steps.
