@@ -646,6 +646,17 @@ def add_totals(results, global_step, samples_per_step, log):
 
 def say_finished(results, target_accuracy):
   """Says a finished run's totals; returns its exit code: 0, or 21 below target_accuracy."""
+  say_time_and_graphs(results)
+  xm.master_print(f'Max Accuracy: {results["max_accuracy"]:.2f}%', flush=True)
+  if results['final_accuracy'] < target_accuracy:
+    xm.master_print(f'Accuracy {results["final_accuracy"]:.2f} is below target '
+                    f'{target_accuracy:.2f}', flush=True)
+    return EXIT_BELOW_TARGET
+  return 0
+
+
+def say_time_and_graphs(results):
+  """A finished run's train time, and its graphs: how many compiled after its first epoch."""
   xm.master_print(f'Total train time: {results["train_seconds"]:.1f} s', flush=True)
   after = results['compilations_after_epoch']  # At each epoch's end, its evaluation's in.
   ours = [epoch for epoch, count in enumerate(after) if count is not None]
@@ -659,12 +670,6 @@ def say_finished(results, target_accuracy):
     xm.master_print(f'Graphs compiled: {results["compilations"]}, ' + (f'{late} after epoch '
         f'{start + 1} (a new shape each: see docs/performance.md)' if late else
         f'none after epoch {start + 1}'), flush=True)
-  xm.master_print(f'Max Accuracy: {results["max_accuracy"]:.2f}%', flush=True)
-  if results['final_accuracy'] < target_accuracy:
-    xm.master_print(f'Accuracy {results["final_accuracy"]:.2f} is below target '
-                    f'{target_accuracy:.2f}', flush=True)
-    return EXIT_BELOW_TARGET
-  return 0
 
 
 def check_learning(log, epoch, num_classes, lr, default_lr):
@@ -956,7 +961,7 @@ def checkpoint_to_resume(resume_path, ckpt_dir, weights, flag_values, world_size
                      f'{"sharded checkpoints" if sharded else "checkpoints of one file"}: give '
                      'one of a run of this script as it is now, or another --ckpt_dir')
   check_same_model(weights, state, path, flag_values)
-  accuracies = state['results']['epoch_accuracies']  # Saved before --eval_interval: every epoch.
+  accuracies = state['results'].get('epoch_accuracies', [])  # Before --eval_interval: each epoch.
   # Another process's counts: this one compiles its graphs anew (say_finished counts from here).
   compiled = state['results']['compilations_after_epoch']
   state['results']['compilations_after_epoch'] = [None] * len(compiled)
