@@ -225,8 +225,13 @@ class RMSNorm(nn.Module):
     return self.weight * (x.float() * scale).to(x.dtype)
 
 
-def rotate(x, cos, sin):
-  """Rotary positions: each pair (x1, x2) of a head's features turned by its position's angle."""
+def rotate(x):
+  """Rotary positions: each pair (x1, x2) of a head's features (x: N x heads x T x width) turned
+  by an angle of its position, computed in the graph (no table to shard)."""
+  pairs = torch.arange(0, x.shape[-1], 2, device=x.device, dtype=torch.float32) / x.shape[-1]
+  positions = torch.arange(x.shape[-2], device=x.device, dtype=torch.float32)
+  angles = positions[:, None] * 10000.0 ** -pairs[None]
+  cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
   x1, x2 = x.chunk(2, dim=-1)
   return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
@@ -240,13 +245,12 @@ class Attention(nn.Module):
     self.v_proj = nn.Linear(width, kv_heads * self.head_dim, bias=False)
     self.o_proj = nn.Linear(width, width, bias=False)
 
-  def forward(self, x, cos, sin):
+  def forward(self, x):
     n, t, width = x.shape
     q = self.q_proj(x).view(n, t, self.heads, self.head_dim).transpose(1, 2)
     k = self.k_proj(x).view(n, t, self.kv_heads, self.head_dim).transpose(1, 2)
     v = self.v_proj(x).view(n, t, self.kv_heads, self.head_dim).transpose(1, 2)
-    cos, sin = cos.to(q.dtype), sin.to(q.dtype)
-    q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+    q, k = rotate(q), rotate(k)
     groups = self.heads // self.kv_heads  # Each key and value head serves this many query heads.
     k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -262,8 +266,8 @@ class DecoderLayer(nn.Module):
     self.up_proj = nn.Linear(width, intermediate, bias=False)
     self.down_proj = nn.Linear(intermediate, width, bias=False)
 
-  def forward(self, x, cos, sin):
-    x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+  def forward(self, x):
+    x = x + self.self_attn(self.input_layernorm(x))
     h = self.post_attention_layernorm(x)
     return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
 
@@ -271,7 +275,6 @@ class DecoderLayer(nn.Module):
 class Decoder(nn.Module):
   def __init__(self, vocab_size, width, layers, heads, kv_heads, intermediate):
     super().__init__()
-    self.head_dim = width // heads
     self.embed_tokens = nn.Embedding(vocab_size, width)
     self.layers = nn.ModuleList(DecoderLayer(width, heads, kv_heads, intermediate)
                                 for _ in range(layers))
@@ -282,14 +285,9 @@ class Decoder(nn.Module):
         nn.init.normal_(module.weight, std=0.02)
 
   def forward(self, tokens):
-    # The angle of each position and feature pair: computed in the graph, so no buffer to shard.
-    pairs = torch.arange(0, self.head_dim, 2, device=tokens.device, dtype=torch.float32)
-    positions = torch.arange(tokens.shape[1], device=tokens.device, dtype=torch.float32)
-    angles = positions[:, None] * (10000.0 ** (-pairs / self.head_dim))[None]
-    cos, sin = angles.cos(), angles.sin()
     x = self.embed_tokens(tokens)
     for layer in self.layers:
-      x = layer(x, cos, sin)
+      x = layer(x)
     return self.output(self.norm(x))
 
 

@@ -21,8 +21,8 @@ from test_large_models import assert_same_state
 SCRIPT = 'train_decoder_spmd.py'
 WRITER = 'make_token_files.py'
 FOUR = script_env(CPU_NUM_DEVICES='4')
-# A model of 0.1M parameters on windows of 32 bytes: it compiles in seconds.
-SMALL = ['--hidden_size', 64, '--num_hidden_layers', 2, '--num_attention_heads', 4,
+# A model of 4 layers and 0.3M parameters on windows of 32 bytes: it compiles in seconds.
+SMALL = ['--hidden_size', 64, '--num_hidden_layers', 4, '--num_attention_heads', 4,
          '--num_key_value_heads', 2, '--seq_len', 32]
 
 
@@ -113,6 +113,27 @@ def test_learns_and_a_killed_fsdp_run_resumes_bitwise_then_on_two_devices(tokens
                    r'batch is 4 instead of 8', two.stderr, re.M), two.stderr
   assert re.search(r'^Resumed from \S+ckpt-00000024\.pt at epoch 4 step 0$', two.stdout, re.M)
   assert read_checkpoint(tmp_path / 'ckpt' / 'ckpt-00000032.pt')['global_step'] == 32
+
+
+def test_hybrid_with_checkpointing_accumulation_and_amp_learns_and_compiles_in_epoch_1_only(
+    tokens, tmp_path):
+  # Every memory flag at once, on 4 devices: 2 groups of 2 sharing the weights, each layer
+  # recomputed in the backward, 2 batches a step, the forward in bfloat16.
+  result = run_script(SCRIPT, '--datadir', tokens / 'tokens', *SMALL, '--sharding', 'hybrid',
+                      '--fsdp_size', 2, '--use_gradient_checkpointing',
+                      '--gradient_accumulation_steps', 2, '--amp', '--batch_size', 1,
+                      '--test_set_batch_size', 4, '--num_epochs', 2, '--num_steps', 6,
+                      '--log_steps', 1, '--lr', 3e-3, '--num_workers', 0, '--results_json',
+                      tmp_path / 'results.json', env=FOUR)
+  assert result.returncode == 0, result.stdout + result.stderr
+  assert re.search(r'^Mesh of 4 devices \(2 data x 2 fsdp, --sharding hybrid\)', result.stdout, re.M)
+  results = read_json(tmp_path / 'results.json')
+  assert results['eval_losses'][-1] < 0.8 * math.log(256), results['eval_losses']
+  assert results['train_samples'] == 12 * 2 * 4, results['train_samples']
+  counts = results['compilations_after_epoch']
+  assert counts[0] == counts[1], counts  # Nothing compiled after epoch 1.
+  held = results['bytes_per_device']  # Half of the weights and of both moments on each device.
+  assert held['optimizer'] == 2 * held['weights'], held
 
 
 def test_bad_token_files_are_one_line_each(tokens, tmp_path):
