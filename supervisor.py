@@ -578,8 +578,8 @@ def _descendants(pid):
 # does its job here: said in one line instead of absl's guess (docs/scripts.md#from-upstreams-scripts).
 _FSDP = ("upstream's FSDP is train_resnet_spmd.py --sharding fsdp here (FSDPv2 over a mesh: each "
          "weight sharded along its largest dimension, each block in BLOCKS a unit of its own)")
-_DECODER = ("examples/train_decoder_only_base.py's: these scripts train image classifiers; put "
-            'your own model in build_model (docs/adapt.md)')
+_DECODER = ("examples/train_decoder_only_base.py's model: train_decoder_spmd.py trains a decoder "
+            '(--{}); these scripts train image classifiers')
 UPSTREAM_FLAGS = {
     'async_closures': 'needs nothing: the training lines here are printed by a thread of their '
                       'own (utils.StepLog), so no step waits for them',
@@ -600,17 +600,19 @@ UPSTREAM_FLAGS = {
     'flatten_parameters': f'{_FSDP}: nothing to flatten',
     'fp32_reduce_scatter': 'needs nothing: under --amp the weights and gradients are float32; '
                            'under --bf16 everything is bfloat16',
-    'hidden-size': _DECODER,
+    'hidden-size': _DECODER.format('hidden_size'),
     'input_dim': "the linear model's width in upstream's accumulation test: the model here is "
                  "build_model's (--model)",
-    'intermediate-size': _DECODER,
-    'is-decoder-layer-pure': _DECODER,
+    'intermediate-size': _DECODER.format('intermediate_size'),
+    'is-decoder-layer-pure': "examples/train_decoder_only_base.py's cache of its scan: "
+                             'train_decoder_spmd.py runs its layers in a loop, no scan; these '
+                             'scripts train image classifiers',
     'no_ckpt_consolidation': 'needs nothing: no checkpoint here needs consolidating; without '
                              '--ckpt_dir nothing is saved',
     'no_pin_layout_in_collective_ops': f'{_FSDP}: the compiler lays out its collectives',
-    'num-attention-heads': _DECODER,
-    'num-key-value-heads': _DECODER,
-    'num-layers': _DECODER,
+    'num-attention-heads': _DECODER.format('num_attention_heads'),
+    'num-key-value-heads': _DECODER.format('num_key_value_heads'),
+    'num-layers': _DECODER.format('num_hidden_layers'),
     'num-steps': 'give --num_steps (with an underscore): a cap on the steps of each epoch',
     'num_cores': "train_resnet_mp.py's and train_wds_cifar.py's (1: one replica, to debug): "
                  'train_single_core.py runs one device, train_resnet_spmd.py every device of '
