@@ -1,11 +1,12 @@
 # SPDX-License-Identifier: BSD-3-Clause
 """make_token_files.py and train_decoder_spmd.py: text written as token files (bytes), a small
 decoder-only model that learns it under --sharding fsdp on four XLA:CPU devices, a kill -9 and
-the same command resuming bit for bit, the checkpoint resumed on two devices, and bad token
-files each one line."""
+a Ctrl-C, then the same command resuming bit for bit, the checkpoint resumed on two devices,
+every memory flag at once, and bad token files each one line."""
 
 import json
 import math
+import os
 import random
 import re
 import signal
@@ -13,9 +14,9 @@ import signal
 import numpy as np
 import pytest
 
-from conftest import (assert_one_error, finish, index_chunks, read_checkpoint, read_json,
-                      run_and_signal, run_script, script_env, seeded_random, start_script,
-                      training_losses)
+from conftest import (TRAIN_LINE, assert_nothing_left, assert_one_error, finish, index_chunks,
+                      read_checkpoint, read_json, run_and_signal, run_script, script_env,
+                      seeded_random, start_script, training_losses, wait_for)
 from test_large_models import assert_same_state
 
 SCRIPT = 'train_decoder_spmd.py'
@@ -65,7 +66,7 @@ def test_token_files_hold_the_texts_bytes_and_say_how_to_train(tokens):
   assert not (tokens / 'out').exists() or not list((tokens / 'out').iterdir())
 
 
-def test_learns_and_a_killed_fsdp_run_resumes_bitwise_then_on_two_devices(tokens, tmp_path):
+def test_learns_and_a_killed_then_interrupted_fsdp_run_resumes_bitwise_then_on_two_devices(tokens, tmp_path):
   # AdamW under --sharding fsdp on 4 devices, 3 epochs of 8 steps, a save every 3 steps.
   args = ['--datadir', tokens / 'tokens', *SMALL, '--batch_size', 2, '--test_set_batch_size', 4,
           '--num_epochs', 3, '--num_steps', 8, '--log_steps', 1, '--lr', 3e-3, '--sharding',
@@ -77,6 +78,16 @@ def test_learns_and_a_killed_fsdp_run_resumes_bitwise_then_on_two_devices(tokens
   kill_step = seeded_random().randrange(4, 14)
   code, out = run_and_signal(SCRIPT, run, kill_step, signal.SIGKILL, env=FOUR)
   assert code == -signal.SIGKILL, out
+  # Then Ctrl-C in its terminal (SIGINT to the whole process group) at its first step: every
+  # device stops after the same step, which is saved; exit code 130, and nothing left running.
+  process = start_script(SCRIPT, *run, env=FOUR)
+  wait_for(process, TRAIN_LINE.pattern)
+  os.killpg(process.pid, signal.SIGINT)
+  code, out = finish(process)
+  assert code == 130, out
+  assert re.search(r'^Stopped by Ctrl-C \(SIGINT\) at epoch \d step \d: saved \S+; run the same '
+                   r'command to resume \(exit code 130\)$', out, re.M), out
+  assert_nothing_left(session=process.pid)
   result = run_script(SCRIPT, *run, '--results_json', tmp_path / 'resumed.json', env=FOUR)
   assert result.returncode == 0, result.stdout + result.stderr
   assert re.search(r'^Resumed from \S+ at epoch [12] step \d$', result.stdout, re.M), result.stdout
