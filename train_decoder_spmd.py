@@ -543,10 +543,12 @@ def train_step(run, tokens, targets, part=(1, 1)):
   if i == n:
     if cfg.max_grad_norm:  # The global norm over every shard of every gradient.
       torch.nn.utils.clip_grad_norm_(run.model.parameters(), cfg.max_grad_norm)
-    # The loss is the global batch's mean, whose gradients the compiler has already reduced.
+    # Not xm.optimizer_step: the loss is the global batch's mean, whose gradients the compiler
+    # has already reduced over the mesh.
     optimizer.step()
     optimizer.zero_grad()  # For the next step's first batch.
-    run.scheduler.step()
+    if run.scheduler is not None:
+      run.scheduler.step()
   return loss
 
 
@@ -592,7 +594,7 @@ def train_one_epoch(run, loader, epoch, first_step):
 def evaluate(model, loader, cfg):
   """(mean loss, its summed loss, tokens) over every window once; padding (-1) is not counted."""
   model.eval()
-  # Summed on the device and read once at the end: an .item() per step would sync. The
+  # Counted on the device and read once at the end: an .item() per step would sync. The
   # sums over the sharded batch are over every device of every host.
   sums = torch.zeros(2, dtype=torch.float32, device=torch_xla.device())
   with torch.no_grad(), torch.autocast('xla', dtype=torch.bfloat16, enabled=cfg.amp):
@@ -610,7 +612,7 @@ def save_checkpoint(run, epoch, step, best=False):
   run.log.flush()  # ... and waits for it: the history saved is whole.
   run.stop.check_losses()  # Nothing that ran away is saved.
   state = dict(model=weights(run.model), optimizer=run.optimizer.state_dict(),
-               lr_scheduler=run.scheduler.state_dict(), epoch=epoch,
+               lr_scheduler=run.scheduler.state_dict() if run.scheduler else None, epoch=epoch,
                step=step, global_step=run.global_step, flags=vars(run.cfg),
                rng=dict(torch=torch.get_rng_state(), xla=xm.get_rng_state()), results=run.results)
   return sharded_checkpoints.write_sharded(state, run.cfg.ckpt_dir, run.cfg.keep_checkpoints,
@@ -623,7 +625,8 @@ def restore_checkpoint(run, state):
   # The weights in place; the rest returned.
   state = sharded_checkpoints.read_sharded(state, weights(run.model), run.optimizer)
   run.optimizer.load_state_dict(state['optimizer'])
-  run.scheduler.load_state_dict(state['lr_scheduler'])
+  if run.scheduler is not None and state['lr_scheduler'] is not None:
+    run.scheduler.load_state_dict(state['lr_scheduler'])
   torch.set_rng_state(state['rng']['torch'])
   xm.set_rng_state(state['rng']['xla'])
   vars(run).update({key: state[key] for key in ('epoch', 'step', 'global_step', 'results')})
@@ -656,7 +659,8 @@ def end_epoch(run, epoch, loss):
     results.update(final_eval_loss=loss, min_eval_loss=loss if best else lowest)
     test_utils.write_to_summary(run.log.writer, epoch, {'Loss/eval': loss})
   results['compilations_after_epoch'].append(utils.compile_count())
-  utils.check_learning(run.log, epoch, run.num_classes, run.cfg.lr, DEFAULTS['lr'])
+  utils.check_learning(run.log, epoch, run.num_classes, run.cfg.lr,
+                       recipe(run.cfg)[1]['lr'])
   if run.cfg.metrics_debug:
     xm.master_print(met.metrics_report(), flush=True)
   saved = save_checkpoint(run, epoch + 1, 0, best=best) if run.cfg.ckpt_dir else None
@@ -820,7 +824,8 @@ def check_job(cfg, given):
 def main(argv):
   del argv
   cfg = SimpleNamespace(**FLAGS.flag_values_dict())
-  for name, value in DEFAULTS.items():
+  settings = recipe(cfg)[1]
+  for name, value in settings.items():
     if getattr(cfg, name) is None:
       setattr(cfg, name, value)
   utils.set_precision(cfg.amp, cfg.bf16)  # Before the runtime starts.
@@ -839,6 +844,11 @@ def main(argv):
     except utils.SAID as e:  # A bad flag, path or file, a full disk: one line.
       utils.die(e)
   sys.exit(code)
+
+
+def recipe(cfg):
+  """(name, settings) of the recipe that the flags not given come from."""
+  return 'the default recipe', DEFAULTS
 
 
 def run(argv):

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: BSD-3-Clause
-"""The four training scripts repeat their loop on purpose (each is read and copied alone), and
-it stays one loop: the functions that do the same job are the same text in all four, but for
-the differences declared here, each once, with why. A change to one copy goes into all four."""
+"""The five training scripts repeat their loop on purpose (each is read and copied alone), and
+it stays one loop: the functions that do the same job are the same text in all five, but for
+the differences declared here, each once, with why. A change to one copy goes into all five."""
 
 import ast
 import difflib
@@ -9,11 +9,12 @@ import difflib
 from conftest import REPO
 
 SCRIPTS = ['train_resnet_mp.py', 'train_resnet_spmd.py', 'train_single_core.py',
-           'train_wds_cifar.py']
+           'train_wds_cifar.py', 'train_decoder_spmd.py']
 REFERENCE = 'train_resnet_mp.py'  # The others are it, with the differences below.
 FUNCTIONS = ['build_optimizer', 'train_step', 'train_one_epoch', 'evaluate', 'save_checkpoint', 'restore_checkpoint',
              'stop_run', 'end_epoch', 'train', '_mp_fn']
-MESH = ('train_resnet_spmd.py',)
+DECODER = ('train_decoder_spmd.py',)
+MESH = ('train_resnet_spmd.py',) + DECODER
 ONE_DEVICE = ('train_single_core.py',)
 SHARDS = ('train_wds_cifar.py',)
 NO_SPAWN = MESH + ONE_DEVICE
@@ -130,6 +131,107 @@ DIFFERENCES = [
        """        count_test_data(cfg, int(test_loader.loader.dataset.counts.sum()), counts[1], epoch, rank)
         xm.master_print(f'Epoch {epoch} test end {test_utils.now()}, ' + (
             f'Accuracy={accuracy:.2f}' if counts[1] else NO_TEST_SAMPLE), flush=True)""")]),
+    (DECODER, "the decoder: AdamW, no weight decay on norms and biases (nanoGPT's and Llama's "
+     'recipe)',
+     [("""  """ + '"""' + """The optimizer of the model's parameters: SGD with --lr, --momentum and --weight_decay. Put
+  yours here (docs/adapt.md shows AdamW); a restore gives back its state_dict whatever it holds.
+  A flag value it cannot take: raise utils.UsageError (one `error:` line, exit code 2).""" + '"""' + """
+  return torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum,
+                         weight_decay=cfg.weight_decay)""",
+       """  """ + '"""' + """AdamW with --lr and --weight_decay on the matrices (embeddings and linear layers), none on
+  the norms and biases. Put yours here; a restore gives back its state_dict whatever it holds. A
+  flag value it cannot take: raise utils.UsageError (one `error:` line, exit code 2).""" + '"""' + """
+  matrices = [p for p in model.parameters() if p.dim() >= 2]
+  others = [p for p in model.parameters() if p.dim() < 2]
+  return torch.optim.AdamW([dict(params=matrices, weight_decay=cfg.weight_decay),
+                            dict(params=others, weight_decay=0.0)], lr=cfg.lr, betas=BETAS)"""),
+      ("""  """ + '"""' + """Puts save_checkpoint's state back into the run, with the --lr, --momentum and
+  --weight_decay given now (utils.new_recipe); returns what those changed.""" + '"""',
+       """  """ + '"""' + """Puts save_checkpoint's state back into the run, with the --lr and --weight_decay given now
+  (utils.new_recipe); returns what those changed.""" + '"""')]),
+    (DECODER, 'the decoder: windows of tokens and their next tokens, the loss at every position, '
+     'the gradients clipped to --max_grad_norm',
+     [("""def train_step(run, images, labels, part=(1, 1)):""",
+       """def train_step(run, tokens, targets, part=(1, 1)):"""),
+      ("""  of n, n --gradient_accumulation_steps), steps. Returns the loss / n.""" + '"""',
+       """  of n, n --gradient_accumulation_steps), clips them and steps. Returns the loss / n.""" + '"""'),
+      ("""    output = run.model(utils.normalize(images))
+    loss = F.cross_entropy(utils.check_scores(output, labels, cfg.num_classes), labels) / n""",
+       """    loss = lm_loss(run.model(tokens), targets, cfg.vocab_size) / n"""),
+      ("""  if i == n:
+    # Not xm.optimizer_step""",
+       """  if i == n:
+    if cfg.max_grad_norm:  # The global norm over every shard of every gradient.
+      torch.nn.utils.clip_grad_norm_(run.model.parameters(), cfg.max_grad_norm)
+    # Not xm.optimizer_step"""),
+      ("""        loss = loss + train_step(run, batch['images'], batch['labels'], (i, len(batches)))""",
+       """        loss = loss + train_step(run, batch['tokens'], batch['targets'], (i, len(batches)))"""),
+      ("""        labels = torch.cat([batch['labels'] for batch in batches])
+        tracker.add(len(labels))""",
+       """        targets = torch.cat([batch['targets'] for batch in batches]).flatten()
+        tracker.add(len(targets) // cfg.seq_len)"""),
+      ("""        # label is none of the classes.
+        stopping = run.stop.agreed_after_step(loss, labels, f'epoch {epoch} step {step}')""",
+       """        # target is none of the vocabulary's ids.
+        stopping = run.stop.agreed_after_step(loss, targets, f'epoch {epoch} step {step}')"""),
+      ("""  train_loader, test_loader, num_classes = load_data(cfg, host, hosts, local_devices)
+  run = start_run(cfg, num_classes, train_loader.steps, stop_signal, mesh)""",
+       """  train_loader, test_loader, vocab_size = load_data(cfg, host, hosts, local_devices)
+  run = start_run(cfg, vocab_size, train_loader.steps, stop_signal, mesh)""")]),
+    (DECODER, 'the decoder: its evaluation is the loss over every token (and its perplexity), '
+     'best.pt the lowest; tokens/s beside samples/s; no target, so its end says the loss',
+     [("""  """ + '"""' + """(accuracy %, correct, total) over every image once; padding (label -1) is not counted.""" + '"""',
+       """  """ + '"""' + """(mean loss, its summed loss, tokens) over every window once; padding (-1) is not counted.""" + '"""'),
+      ("""  counts = torch.zeros(2, dtype=torch.int64, device=torch_xla.device())""",
+       """  sums = torch.zeros(2, dtype=torch.float32, device=torch_xla.device())"""),
+      ("""      images, labels = batch['images'], batch['labels']
+      hits = (model(utils.normalize(images)).argmax(dim=1) == labels).sum()
+      counts += torch.stack([hits, (labels >= 0).sum()])
+  correct, total = counts.tolist()
+  return 100.0 * correct / max(total, 1), correct, total""",
+       """      targets = batch['targets']
+      loss = lm_loss(model(batch['tokens']), targets, cfg.vocab_size, reduction='sum')
+      sums += torch.stack([loss, (targets >= 0).sum().float()])
+  total, count = sums.tolist()
+  return total / max(count, 1), total, int(count)"""),
+      ("""def end_epoch(run, epoch, accuracy, counts):
+  """ + '"""' + """Records and saves an epoch, evaluated or not (accuracy None); returns (whether to stop now,""",
+       """def end_epoch(run, epoch, loss):
+  """ + '"""' + """Records and saves an epoch, evaluated or not (loss None); returns (whether to stop now,"""),
+      ("""  best = accuracy is not None and accuracy > results['max_accuracy']
+  if accuracy is not None:  # Only evaluated epochs count for best.pt, the target and the results.
+    results['epoch_accuracies'].append(accuracy)""",
+       """  lowest = results['min_eval_loss']
+  best = loss is not None and (lowest is None or loss < lowest)
+  if loss is not None:  # Only evaluated epochs count for best.pt and the results.
+    results['eval_losses'].append(loss)"""),
+      ("""    results.update(final_accuracy=accuracy, eval_correct=counts[0], eval_samples=counts[1],
+                   max_accuracy=max(results['max_accuracy'], accuracy))
+    test_utils.write_to_summary(run.log.writer, epoch, {'Accuracy/test': accuracy})""",
+       """    results.update(final_eval_loss=loss, min_eval_loss=loss if best else lowest)
+    test_utils.write_to_summary(run.log.writer, epoch, {'Loss/eval': loss})"""),
+      ("""      xm.master_print(f'Epoch {epoch} train end {test_utils.now()}, Reduced GlobalRate={rate:.2f}',
+                      flush=True)
+      accuracy = counts = None  # Unless evaluated (--eval_interval, --test_only_at_end).""",
+       """      xm.master_print(f'Epoch {epoch} train end {test_utils.now()}, Reduced GlobalRate={rate:.2f}'
+                      f' samples/s, {rate * cfg.seq_len:,.0f} tokens/s', flush=True)
+      loss = None  # Unless evaluated (--eval_interval, --test_only_at_end)."""),
+      ("""        accuracy, *counts = evaluate(run.model, test_device_loader, cfg)""",
+       """        loss, _, tokens = evaluate(run.model, test_device_loader, cfg)"""),
+      ("""        xm.master_print(f'Epoch {epoch} test end {test_utils.now()}, Accuracy={accuracy:.2f}',
+                        flush=True)""",
+       """        xm.master_print(f'Epoch {epoch} test end {test_utils.now()}, Eval loss={loss:.4f} '
+                        f'perplexity={math.exp(min(loss, 700)):.2f} ({tokens:,} tokens)',
+                        flush=True)"""),
+      ("""      stop, saved = end_epoch(run, epoch, accuracy, counts)""",
+       """      stop, saved = end_epoch(run, epoch, loss)"""),
+      ("""  return results, utils.say_finished(results, cfg.target_accuracy)  # Done: 0, or 21 below target""",
+       """  utils.say_time_and_graphs(results)
+  if results['final_eval_loss'] is not None:
+    xm.master_print(f'Final eval loss: {results["final_eval_loss"]:.4f} (perplexity '
+                    f'{math.exp(min(results["final_eval_loss"], 700)):.2f}), lowest '
+                    f'{results["min_eval_loss"]:.4f}', flush=True)
+  return results, 0""")]),
 ]
 # Functions a script does not have, and why.
 ABSENT = {('_mp_fn', script): 'no spawn: main runs train() itself' for script in NO_SPAWN}
@@ -159,7 +261,7 @@ def unexpected(script, name, expected, found, first_line):
   return said
 
 
-def test_the_four_loops_differ_only_where_declared():
+def test_the_five_loops_differ_only_where_declared():
   reference = functions(REFERENCE)
   assert sorted(reference) == sorted(FUNCTIONS)
   problems, used = [], set()
