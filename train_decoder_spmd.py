@@ -786,12 +786,17 @@ def train(cfg, stop_signal):
                    cfg.batch_size * cfg.gradient_accumulation_steps * devices, run.log)
   if 'diverged' in results:
     return results, utils.say_diverged(results['diverged'], vars(cfg))  # Exit code 22
+  return results, say_finished(results)  # Done: 0
+
+
+def say_finished(results):
+  """Says a finished run's totals and its evaluation loss; returns its exit code, 0."""
   utils.say_time_and_graphs(results)
   if results['final_eval_loss'] is not None:
     xm.master_print(f'Final eval loss: {results["final_eval_loss"]:.4f} (perplexity '
                     f'{math.exp(min(results["final_eval_loss"], 700)):.2f}), lowest '
                     f'{results["min_eval_loss"]:.4f}', flush=True)
-  return results, 0
+  return 0
 
 
 def check_job(cfg, given):

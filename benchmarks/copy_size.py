@@ -17,7 +17,8 @@ import sys
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 SCRIPTS = ['train_resnet_mp.py', 'train_resnet_spmd.py', 'train_single_core.py',
-           'train_wds_cifar.py', 'make_cifar_shards.py', 'launch_pod.py']
+           'train_wds_cifar.py', 'train_decoder_spmd.py', 'make_cifar_shards.py',
+           'make_token_files.py', 'launch_pod.py']
 OPTIONAL = ('supervisor.py', 'command.py')
 
 

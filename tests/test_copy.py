@@ -22,7 +22,9 @@ from conftest import (ONE_PROCESS, REPO, assert_nothing_left, assert_one_error, 
                       read_json, script_env, training_losses, wait_for)
 from test_faults import REPLICA_ENDS, run_replica_pool
 
-KITS = ['train_resnet_mp.py', 'train_resnet_spmd.py', 'train_single_core.py', 'train_wds_cifar.py']
+KITS = ['train_resnet_mp.py', 'train_resnet_spmd.py', 'train_single_core.py', 'train_wds_cifar.py',
+        'train_decoder_spmd.py']
+SPMD = ('train_resnet_spmd.py', 'train_decoder_spmd.py')  # Their kits add sharded_checkpoints.py.
 OPTIONAL = {'supervisor', 'command'}
 WRITER = 'make_cifar_shards.py'  # The shard writer: its own copy line, supervisor.py in it.
 
@@ -47,8 +49,8 @@ def test_every_kit_is_its_script_utils_and_licence_and_imports_nothing_else():
   # The writer's line holds what it imports: supervisor.py is not optional there.
   assert lines[WRITER] == f'cp {WRITER} supervisor.py utils.py LICENSE "$PROJECT"/'
   for script in KITS + [WRITER]:
-    # The SPMD script's kit adds its sharded checkpoints' module.
-    extra = ('sharded_checkpoints.py',) if script == 'train_resnet_spmd.py' else ()
+    # The SPMD scripts' kits add their sharded checkpoints' module.
+    extra = ('sharded_checkpoints.py',) if script in SPMD else ()
     if script != WRITER:
       assert lines[script] == f'cp {script} utils.py {" ".join(extra + ("LICENSE",))} "$PROJECT"/'
     for name in (script, 'utils.py') + extra + (('supervisor.py',) if script == WRITER else ()):
@@ -325,6 +327,9 @@ def kit_shards(tmp_path_factory):
 def kit_args(script, shards=None):
   """Small flags for a run of the script's kit; the wds kit's read shards (kit_shards)."""
   common = ['--test_set_batch_size', 4, '--num_epochs', 2, '--log_steps', 1, '--lr', 0.02]
+  if script == 'train_decoder_spmd.py':  # Random tokens, a vocabulary of 32,000.
+    return ['--fake_data', '--hidden_size', 32, '--num_hidden_layers', 2, '--seq_len', 16,
+            '--batch_size', 2, '--num_steps', 6, *common]
   if script != 'train_wds_cifar.py':
     return ['--fake_data', '--model', 'resnet18', '--img_dim', 16, '--batch_size', 4,
             '--num_steps', 6, *common]
@@ -335,7 +340,7 @@ def kit_args(script, shards=None):
 
 
 @pytest.mark.parametrize('script', ['train_single_core.py', 'train_resnet_spmd.py',
-                                    'train_wds_cifar.py'])
+                                    'train_wds_cifar.py', 'train_decoder_spmd.py'])
 def test_each_kit_alone_stops_on_ctrl_c_with_a_checkpoint(tmp_path, script, request):
   project = tmp_path / 'project'
   copy_kit(script, project)

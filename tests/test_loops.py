@@ -226,12 +226,7 @@ DIFFERENCES = [
       ("""      stop, saved = end_epoch(run, epoch, accuracy, counts)""",
        """      stop, saved = end_epoch(run, epoch, loss)"""),
       ("""  return results, utils.say_finished(results, cfg.target_accuracy)  # Done: 0, or 21 below target""",
-       """  utils.say_time_and_graphs(results)
-  if results['final_eval_loss'] is not None:
-    xm.master_print(f'Final eval loss: {results["final_eval_loss"]:.4f} (perplexity '
-                    f'{math.exp(min(results["final_eval_loss"], 700)):.2f}), lowest '
-                    f'{results["min_eval_loss"]:.4f}', flush=True)
-  return results, 0""")]),
+       """  return results, say_finished(results)  # Done: 0""")]),
 ]
 # Functions a script does not have, and why.
 ABSENT = {('_mp_fn', script): 'no spawn: main runs train() itself' for script in NO_SPAWN}
