@@ -63,3 +63,15 @@ def test_benchmark_prints_its_tables_row_by_row():
           'seed the sample (utils.seeded)', 'decode (utils.decode_image)',
           'crop and flip (RandomResizedCrop to 224)', 'ceiling: decode, crop and flip',
           "collate in a loader worker and send it to the loader's process"} <= set(steps), out
+
+
+def test_decoder_benchmark_prints_a_row_for_each_sharding():
+  result = subprocess.run([sys.executable, 'benchmarks/decoder.py', '--quick'], cwd=REPO,
+                          env=script_env(), capture_output=True, text=True, timeout=600)
+  assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+  rows = re.findall(r'^\| train_decoder_spmd\.py --sharding (\w+) \| ([\d,]+) \| ([\d.,]+) \| '
+                    r'(\d+) \| [\d.]+ \| [\d.]+ \|$', result.stdout, re.M)
+  assert [mode for mode, *_ in rows] == ['batch', 'fsdp'], result.stdout
+  # Both modes: the same model FLOPs a step, and the same graphs compiled.
+  assert rows[0][2] == rows[1][2] and float(rows[0][2]) > 0, rows
+  assert rows[0][3] == rows[1][3], rows
