@@ -38,11 +38,11 @@ if '--xla_backend_optimization_level' not in os.environ.get('XLA_FLAGS', ''):
 # next file as its own nears its end, so the long files start early and the short ones fill
 # the end. xdist's own order (most tests first) started the benchmark's one test last, alone
 # on a core for more than 2 minutes. A file not named here comes after them.
-LONGEST_FIRST = ['test_wds_cifar.py', 'test_launch_pod.py', 'test_resnet_mp.py',
-                 'test_large_models.py', 'test_copy.py', 'test_faults.py', 'test_single_core.py',
-                 'test_notebook.py', 'test_resume.py', 'test_benchmarks.py', 'test_resnet_spmd.py',
-                 'test_decoder.py', 'test_torchrun.py', 'test_gke.py', 'test_shard_writer.py',
-                 'test_upstream.py', 'test_install.py', 'test_splits.py']
+LONGEST_FIRST = ['test_wds_cifar.py', 'test_benchmarks.py', 'test_launch_pod.py',
+                 'test_resnet_mp.py', 'test_large_models.py', 'test_copy.py', 'test_faults.py',
+                 'test_single_core.py', 'test_notebook.py', 'test_resume.py',
+                 'test_resnet_spmd.py', 'test_decoder.py', 'test_torchrun.py', 'test_gke.py',
+                 'test_shard_writer.py', 'test_upstream.py', 'test_install.py', 'test_splits.py']
 
 
 def pytest_collection_modifyitems(items):
