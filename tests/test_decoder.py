@@ -147,6 +147,20 @@ def test_hybrid_with_checkpointing_accumulation_and_amp_learns_and_compiles_in_e
   assert held['optimizer'] == 2 * held['weights'], held
 
 
+def test_a_diverging_run_ends_in_one_line_with_exit_code_22_and_saves_nothing(tokens, tmp_path):
+  # AdamW moves each weight by about --lr a step: at 1e4, unclipped and without warm-up, the
+  # first step takes the weights past the stop vote's bound.
+  result = run_script(SCRIPT, '--datadir', tokens / 'tokens', *SMALL, '--batch_size', 2,
+                      '--num_steps', 6, '--log_steps', 1, '--lr', 1e4, '--max_grad_norm', 0,
+                      '--lr_warmup_steps', 0, '--num_workers', 0, '--ckpt_dir', tmp_path / 'ckpt',
+                      env=FOUR)
+  assert_one_error(result, 22, r'^error: the weights reached [\d.e+]+ at epoch 1 step \d \(a '
+                   r'network that learns holds them near 1\): training diverged; lower --lr \(it '
+                   r'is 10000\) and run again: nothing was saved, so it starts over \(exit code '
+                   r'22\)$')
+  assert not list((tmp_path / 'ckpt').glob('ckpt-*'))
+
+
 def test_bad_token_files_are_one_line_each(tokens, tmp_path):
   def folder(name, meta, train=b'abc' * 100, val=b'xyz' * 50):
     path = tmp_path / name
