@@ -225,15 +225,17 @@ class RMSNorm(nn.Module):
     return self.weight * (x.float() * scale).to(x.dtype)
 
 
-def rotate(x):
-  """Rotary positions: each pair (x1, x2) of a head's features (x: N x heads x T x width) turned
-  by an angle of its position, computed in the graph (no table to shard)."""
-  pairs = torch.arange(0, x.shape[-1], 2, device=x.device, dtype=torch.float32) / x.shape[-1]
-  positions = torch.arange(x.shape[-2], device=x.device, dtype=torch.float32)
+def rotate(q, k):
+  """Rotary positions: each pair (x1, x2) of a head's features (N x heads x T x width) turned by
+  an angle of its position, computed once for q and k in the graph (no table to shard)."""
+  pairs = torch.arange(0, q.shape[-1], 2, device=q.device, dtype=torch.float32) / q.shape[-1]
+  positions = torch.arange(q.shape[-2], device=q.device, dtype=torch.float32)
   angles = positions[:, None] * 10000.0 ** -pairs[None]
-  cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
-  x1, x2 = x.chunk(2, dim=-1)
-  return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+  cos, sin = angles.cos().to(q.dtype), angles.sin().to(q.dtype)
+  def turned(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+  return turned(q), turned(k)
 
 
 class Attention(nn.Module):
@@ -250,7 +252,7 @@ class Attention(nn.Module):
     q = self.q_proj(x).view(n, t, self.heads, self.head_dim).transpose(1, 2)
     k = self.k_proj(x).view(n, t, self.kv_heads, self.head_dim).transpose(1, 2)
     v = self.v_proj(x).view(n, t, self.kv_heads, self.head_dim).transpose(1, 2)
-    q, k = rotate(q), rotate(k)
+    q, k = rotate(q, k)
     groups = self.heads // self.kv_heads  # Each key and value head serves this many query heads.
     k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -775,7 +777,7 @@ def train(cfg, stop_signal):
         loss, _, tokens = evaluate(run.model, test_device_loader, cfg)
         test_loader.check()
         xm.master_print(f'Epoch {epoch} test end {test_utils.now()}, Eval loss={loss:.4f} '
-                        f'perplexity={math.exp(min(loss, 700)):.2f} ({tokens:,} tokens)',
+                        f'perplexity={perplexity(loss):.2f} ({tokens:,} tokens)',
                         flush=True)
       stop, saved = end_epoch(run, epoch, loss)
       if stop:  # The same, asked for as the epoch ended: its checkpoint holds this state.
@@ -794,9 +796,13 @@ def say_finished(results):
   utils.say_time_and_graphs(results)
   if results['final_eval_loss'] is not None:
     xm.master_print(f'Final eval loss: {results["final_eval_loss"]:.4f} (perplexity '
-                    f'{math.exp(min(results["final_eval_loss"], 700)):.2f}), lowest '
+                    f'{perplexity(results["final_eval_loss"]):.2f}), lowest '
                     f'{results["min_eval_loss"]:.4f}', flush=True)
   return 0
+
+
+def perplexity(loss):
+  return math.exp(min(loss, 700))  # Past about 709, exp overflows a float.
 
 
 def check_job(cfg, given):
