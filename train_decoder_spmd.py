@@ -22,6 +22,7 @@ host finishes the same step and saves, exit code 75 (130).
   python train_decoder_spmd.py --datadir data/tokens --num_epochs 2 --num_steps 100
 """
 
+import asyncio
 import functools
 import json
 import math
@@ -44,7 +45,8 @@ flags.DEFINE_integer('fsdp_size', None, "--sharding hybrid: the devices that sha
 flags.DEFINE_bool('use_gradient_checkpointing', False, "Recompute each block's activations (see "
                   'BLOCKS) in the backward instead of keeping them: less memory, more compute.')
 flags.DEFINE_bool('fake_data', False, 'Train on constant batches of random tokens instead of --datadir.')
-flags.DEFINE_string('datadir', None, 'A folder of train.bin, val.bin and meta.json (make_token_files.py).')
+flags.DEFINE_string('datadir', None, 'A folder of train.bin, val.bin and meta.json (make_token_files.py), '
+                    'on this host or in a bucket (gs://).')
 flags.DEFINE_string('model', 'decoder', 'The decoder below, or a name build_model knows.')
 flags.DEFINE_integer('hidden_size', 256, 'Width of the model (the embeddings).', lower_bound=2)
 flags.DEFINE_integer('num_hidden_layers', 4, 'Decoder layers.', lower_bound=1)
@@ -301,21 +303,27 @@ BLOCKS = (DecoderLayer,)
 
 class TokenWindows(torch.utils.data.Dataset):
   """Window i of a token file: its ids i x seq_len to (i + 1) x seq_len (the input) and the same
-  shifted by one (the targets: the next token at each position). The file is memory-mapped in
-  the process that reads it (a loader worker gets the path, not the data)."""
+  shifted by one (the targets: the next token at each position). A file on this host's disk is
+  memory-mapped in the process that reads it (a loader worker gets the path, not the data); a
+  file in a bucket (gs://) is read a window at a time, one range request each."""
 
-  def __init__(self, path, dtype, seq_len):
+  def __init__(self, path, dtype, seq_len, size):
     self.path, self.dtype, self.seq_len, self.tokens = path, dtype, seq_len, None
-    self.windows = (os.path.getsize(path) // np.dtype(dtype).itemsize - 1) // seq_len
+    self.windows = (size // np.dtype(dtype).itemsize - 1) // seq_len
 
   def __len__(self):
     return self.windows
 
   def __getitem__(self, index):
-    if self.tokens is None:
-      self.tokens = np.memmap(self.path, self.dtype, mode='r')
-    start = index * self.seq_len
-    window = torch.from_numpy(self.tokens[start:start + self.seq_len + 1].astype(np.int64))
+    start, end = index * self.seq_len, (index + 1) * self.seq_len + 1
+    if '://' in self.path:
+      size = np.dtype(self.dtype).itemsize
+      ids = np.frombuffer(in_time(self.path, 'cat_file', start * size, end * size), self.dtype)
+    else:
+      if self.tokens is None:
+        self.tokens = np.memmap(self.path, self.dtype, mode='r')
+      ids = self.tokens[start:end]
+    window = torch.from_numpy(ids.astype(np.int64))
     return window[:-1], window[1:]
 
   def __getstate__(self):
@@ -325,20 +333,16 @@ class TokenWindows(torch.utils.data.Dataset):
 def build_datasets(cfg):
   """(training set, evaluation set, vocabulary size) of a run without --fake_data: map-style
   datasets of (tokens, targets), each a (--seq_len,) int64 tensor. Here: --datadir's train.bin
-  and val.bin, checked whole against meta.json. A mistake the user can fix raises
-  utils.UsageError, a file that cannot be read utils.BadDataError (each one `error:` line,
-  exit code 2)."""
+  and val.bin (this host's disk, or gs://), checked against meta.json. A mistake the user can fix
+  raises utils.UsageError, a file that cannot be read utils.BadDataError (each one `error:`
+  line, exit code 2)."""
   if not cfg.datadir:
     raise utils.UsageError('give --datadir DIR (train.bin, val.bin and meta.json, as '
                            'make_token_files.py writes them) or --fake_data')
-  if '://' in cfg.datadir:
-    raise utils.UsageError(f'--datadir {cfg.datadir}: token files are read by memory map, from '
-                           "this host's disk: copy them there (gcloud storage cp -r ...)")
-  meta_path = os.path.join(cfg.datadir, 'meta.json')
+  meta_path = f'{cfg.datadir.rstrip("/")}/meta.json'
   fix = 'write the files again with make_token_files.py'
   try:
-    with open(meta_path) as f:
-      meta = json.load(f)
+    meta = json.loads(in_time(meta_path, 'cat_file'))
     vocab, dtype = meta['vocab_size'], meta['dtype']
   except FileNotFoundError:
     raise utils.UsageError(f'{meta_path} is missing: --datadir needs train.bin, val.bin and '
@@ -353,26 +357,29 @@ def build_datasets(cfg):
                              f'holds; {fix}')
   sets = {}
   for split in ('train', 'val'):
-    path = os.path.join(cfg.datadir, f'{split}.bin')
-    check_token_file(path, dtype, vocab, fix)
-    sets[split] = TokenWindows(path, dtype, cfg.seq_len)
+    path = f'{cfg.datadir.rstrip("/")}/{split}.bin'
+    size = check_token_file(path, dtype, vocab, fix)
+    sets[split] = TokenWindows(path, dtype, cfg.seq_len, size)
     if len(sets[split]) == 0:
-      raise utils.UsageError(f'{path} holds {os.path.getsize(path) // np.dtype(dtype).itemsize:,}'
-                             f' tokens, no window of --seq_len {cfg.seq_len} and its next token: '
-                             'give a shorter --seq_len or more text')
+      raise utils.UsageError(f'{path} holds {size // np.dtype(dtype).itemsize:,} tokens, no '
+                             f'window of --seq_len {cfg.seq_len} and its next token: give a '
+                             'shorter --seq_len or more text')
   return sets['train'], sets['val'], vocab
 
 
 def check_token_file(path, dtype, vocab, fix):
-  """A BadDataError if path is not whole ids of dtype, or holds an id at or over vocab."""
-  if not os.path.isfile(path):
-    raise utils.UsageError(f'{path} is missing: {fix}')
-  size, itemsize = os.path.getsize(path), np.dtype(dtype).itemsize
+  """The size of path in bytes; a BadDataError if it is not whole ids of dtype, or if it holds
+  an id at or over vocab. A bucket's file is not read whole here: the stop vote checks each
+  batch's targets on the devices (a BadDataError naming the id and the step)."""
+  try:
+    size, itemsize = in_time(path, 'size'), np.dtype(dtype).itemsize
+  except FileNotFoundError:
+    raise utils.UsageError(f'{path} is missing: {fix}') from None
   if size % itemsize:
     raise utils.BadDataError(f'{path} is {size:,} bytes, not a whole number of {dtype} ids '
                              f'({itemsize} bytes each, as meta.json says): {fix}')
-  if size == 0 or vocab > np.iinfo(dtype).max:  # Every id the dtype holds is in the vocabulary.
-    return
+  if '://' in path or size == 0 or vocab > np.iinfo(dtype).max:  # (Every id is in the vocabulary.)
+    return size
   tokens = np.memmap(path, dtype, mode='r')
   for start in range(0, len(tokens), 1 << 26):  # 64M ids at a time
     chunk = tokens[start:start + (1 << 26)]
@@ -380,6 +387,17 @@ def check_token_file(path, dtype, vocab, fix):
       at = start + int(np.argmax(chunk >= vocab))
       raise utils.BadDataError(f'{path} holds token id {tokens[at]} at position {at:,}, outside '
                                f'the vocabulary of {vocab} that meta.json says: {fix}')
+  return size
+
+
+def in_time(url, call, *args):
+  """fs.call(path, *args) on url's file system; each request to a bucket within utils.
+  BUCKET_SECONDS, or one line (a BadDataError: from a loader worker too)."""
+  fs, path = utils.url_fs(url)
+  try:
+    return getattr(fs, call)(path, *args)
+  except asyncio.TimeoutError:  # (A TimeoutError, so an OSError, from Python 3.11 on.)
+    raise utils.BadDataError(str(utils.BucketTimeout(f'cannot read {url}'))) from None
 
 
 # ------------------------------------------------------------------------------ loop

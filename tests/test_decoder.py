@@ -11,12 +11,14 @@ import random
 import re
 import signal
 
+import fsspec
 import numpy as np
 import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from conftest import (TRAIN_LINE, assert_nothing_left, assert_one_error, finish, index_chunks,
-                      read_checkpoint, read_json, run_and_signal, run_script, script_env,
-                      seeded_random, start_script, training_losses, wait_for)
+from conftest import (TRAIN_LINE, SlowLink, assert_nothing_left, assert_one_error, finish,
+                      index_chunks, read_checkpoint, read_json, run_and_signal, run_script,
+                      script_env, seeded_random, start_script, training_losses, wait_for)
 from test_large_models import assert_same_state
 
 SCRIPT = 'train_decoder_spmd.py'
@@ -44,6 +46,16 @@ def tokens(tmp_path_factory):
   write_text(root / 'b.txt', 500, seed=2)
   result = run_script(WRITER, root / 'a.txt', root / 'b.txt', '--output', root / 'tokens')
   assert result.returncode == 0, result.stdout + result.stderr
+  # And with a tokenizer of the texts' own (byte-level BPE, as GPT-2's): more than 256 ids.
+  tokenizer = Tokenizer(models.BPE())
+  tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tokenizer.decoder = decoders.ByteLevel()
+  tokenizer.train([str(root / 'a.txt')], trainers.BpeTrainer(
+      vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+  tokenizer.save(str(root / 'tokenizer.json'))
+  result = run_script(WRITER, root / 'a.txt', root / 'b.txt', '--output', root / 'bpe',
+                      '--tokenizer', root / 'tokenizer.json')
+  assert result.returncode == 0, result.stdout + result.stderr
   return root
 
 
@@ -55,6 +67,15 @@ def test_token_files_hold_the_texts_bytes_and_say_how_to_train(tokens):
   val = (tokens / 'tokens' / 'val.bin').read_bytes()
   assert train + val == text and len(val) == int(len(text) * 0.1)
   assert (meta['train_tokens'], meta['val_tokens']) == (len(train), len(val))
+  # With --tokenizer: its ids, in the smallest dtype that holds them, decode to the texts.
+  tokenizer = Tokenizer.from_file(str(tokens / 'tokenizer.json'))
+  meta = json.loads((tokens / 'bpe' / 'meta.json').read_text())
+  assert meta['vocab_size'] == tokenizer.get_vocab_size() > 256, meta
+  assert meta['dtype'] == 'uint16' and meta['tokenizer'] == 'tokenizer.json', meta
+  ids = [np.fromfile(tokens / 'bpe' / f'{split}.bin', np.uint16) for split in ('train', 'val')]
+  assert (meta['train_tokens'], meta['val_tokens']) == tuple(map(len, ids))
+  assert tokenizer.decode(np.concatenate(ids).tolist()) == text.decode()
+  assert len(text) > 2 * sum(map(len, ids))  # Fewer tokens than bytes: words, not letters.
   # A missing text file, and a tokenizer that is not one: one line each, nothing written.
   missing = run_script(WRITER, tokens / 'nothing.txt', '--output', tokens / 'out')
   assert_one_error(missing, 2, r'^error: \S+nothing\.txt is missing: give text files$')
@@ -129,8 +150,10 @@ def test_learns_and_a_killed_then_interrupted_fsdp_run_resumes_bitwise_then_on_t
 def test_hybrid_with_checkpointing_accumulation_and_amp_learns_and_compiles_in_epoch_1_only(
     tokens, tmp_path):
   # Every memory flag at once, on 4 devices: 2 groups of 2 sharing the weights, each layer
-  # recomputed in the backward, 2 batches a step, the forward in bfloat16.
-  result = run_script(SCRIPT, '--datadir', tokens / 'tokens', *SMALL, '--sharding', 'hybrid',
+  # recomputed in the backward, 2 batches a step, the forward in bfloat16; on the tokenizer's
+  # files (uint16 ids, its vocabulary).
+  vocab = json.loads((tokens / 'bpe' / 'meta.json').read_text())['vocab_size']
+  result = run_script(SCRIPT, '--datadir', tokens / 'bpe', *SMALL, '--sharding', 'hybrid',
                       '--fsdp_size', 2, '--use_gradient_checkpointing',
                       '--gradient_accumulation_steps', 2, '--amp', '--batch_size', 1,
                       '--test_set_batch_size', 4, '--num_epochs', 2, '--num_steps', 6,
@@ -139,7 +162,8 @@ def test_hybrid_with_checkpointing_accumulation_and_amp_learns_and_compiles_in_e
   assert result.returncode == 0, result.stdout + result.stderr
   assert re.search(r'^Mesh of 4 devices \(2 data x 2 fsdp, --sharding hybrid\)', result.stdout, re.M)
   results = read_json(tmp_path / 'results.json')
-  assert results['eval_losses'][-1] < 0.8 * math.log(256), results['eval_losses']
+  assert results['vocab_size'] == vocab and results['eval_losses'][-1] < 0.8 * math.log(vocab), (
+      results['eval_losses'])
   assert results['train_samples'] == 12 * 2 * 4, results['train_samples']
   counts = results['compilations_after_epoch']
   assert counts[0] == counts[1], counts  # Nothing compiled after epoch 1.
@@ -159,6 +183,40 @@ def test_a_diverging_run_ends_in_one_line_with_exit_code_22_and_saves_nothing(to
                    r'is 10000\) and run again: nothing was saved, so it starts over \(exit code '
                    r'22\)$')
   assert not list((tmp_path / 'ckpt').glob('ckpt-*'))
+
+
+def test_token_files_in_a_bucket_train_as_from_disk_and_a_bucket_that_stalls_is_one_line(
+    tokens, tmp_path, bucket, monkeypatch):
+  for name, value in bucket.items():
+    monkeypatch.setenv(name, value)
+  fsspec.filesystem('gs', skip_instance_cache=True).put(str(tokens / 'tokens'), 'data/tokens',
+                                                        recursive=True)
+  # The same run from the disk and from the bucket (a loader worker's range requests): the same
+  # batches, so the same losses.
+  args = [*SMALL, '--batch_size', 2, '--test_set_batch_size', 4, '--num_steps', 3, '--log_steps',
+          1, '--num_workers', 1]
+  two = script_env(CPU_NUM_DEVICES='2', **bucket)
+  local = start_script(SCRIPT, '--datadir', tokens / 'tokens', *args, env=two)
+  remote = run_script(SCRIPT, '--datadir', 'gs://data/tokens/', *args, env=two)
+  assert remote.returncode == 0, remote.stdout + remote.stderr
+  code, local_out = finish(local)
+  assert code == 0, local_out
+  losses = training_losses(remote.stdout)
+  assert len(losses) == 3 and losses == training_losses(local_out), remote.stdout
+  final = re.compile(r'^Final eval loss: .*$', re.M)
+  assert final.findall(remote.stdout) == final.findall(local_out) != [], remote.stdout
+  # A bucket that stalls at the first training window's read: gcsfs's deadline (BUCKET_TIMEOUT),
+  # one line from the loader worker, and nothing left running.
+  port = int(bucket['STORAGE_EMULATOR_HOST'].rsplit(':', 1)[1])
+  link = SlowLink(port, when=b'train.bin?alt=media')  # A read of its bytes, not of its size.
+  stalled = start_script(SCRIPT, '--datadir', 'gs://data/tokens', *args, env=script_env(
+      CPU_NUM_DEVICES='2', BUCKET_TIMEOUT='2',
+      **dict(bucket, STORAGE_EMULATOR_HOST=f'http://127.0.0.1:{link.port}')))
+  assert_one_error(finish(stalled), 2, r'^error: cannot read gs://data/tokens/train\.bin: a '
+                   r'request to the bucket took over 2 s; check the network, then run the same '
+                   r'command again$')
+  assert link.trickle
+  assert_nothing_left(session=stalled.pid)
 
 
 def test_bad_token_files_are_one_line_each(tokens, tmp_path):
