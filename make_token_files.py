@@ -222,7 +222,7 @@ if __name__ == '__main__':
     app.run(main, flags_parser=parse_flags)
   except (KeyboardInterrupt, Preempted) as e:
     remove_partial(FLAGS.output)
-    name, code = ((utils.INTERRUPT, utils.EXIT_INTERRUPTED) if isinstance(e, KeyboardInterrupt)
-                  else ('SIGTERM', utils.EXIT_PREEMPTED))
+    name, code = ((f'{utils.INTERRUPT} (SIGINT)', utils.EXIT_INTERRUPTED)
+                  if isinstance(e, KeyboardInterrupt) else ('SIGTERM', utils.EXIT_PREEMPTED))
     utils.die(f'stopped by {name}: nothing is half-written (the files of this run are removed); '
               'run the same command to write them', code)

@@ -6,6 +6,7 @@ docs/adapt.md's worked example with the optional modules."""
 import ast
 import os
 import re
+import select
 import shlex
 import shutil
 import signal
@@ -27,6 +28,8 @@ KITS = ['train_resnet_mp.py', 'train_resnet_spmd.py', 'train_single_core.py', 't
 SPMD = ('train_resnet_spmd.py', 'train_decoder_spmd.py')  # Their kits add sharded_checkpoints.py.
 OPTIONAL = {'supervisor', 'command'}
 WRITER = 'make_cifar_shards.py'  # The shard writer: its own copy line, supervisor.py in it.
+TOKENS = 'make_token_files.py'  # The token files' writer: its own copy line, utils.py alone.
+WRITERS = {WRITER: ('supervisor.py',), TOKENS: ()}
 
 
 def kit_copy_lines():
@@ -44,16 +47,17 @@ def copy_kit(script, project):
 
 def test_every_kit_is_its_script_utils_and_licence_and_imports_nothing_else():
   lines = kit_copy_lines()
-  assert sorted(lines) == sorted(KITS + [WRITER]), lines
+  assert sorted(lines) == sorted(KITS + list(WRITERS)), lines
   ours = {path.stem for path in REPO.glob('*.py')}
-  # The writer's line holds what it imports: supervisor.py is not optional there.
-  assert lines[WRITER] == f'cp {WRITER} supervisor.py utils.py LICENSE "$PROJECT"/'
-  for script in KITS + [WRITER]:
+  # A writer's line holds what it imports: supervisor.py is not optional in the shard writer's.
+  for writer, modules in WRITERS.items():
+    assert lines[writer] == f'cp {writer} {" ".join(modules + ("utils.py", "LICENSE"))} "$PROJECT"/'
+  for script in KITS + list(WRITERS):
     # The SPMD scripts' kits add their sharded checkpoints' module.
     extra = ('sharded_checkpoints.py',) if script in SPMD else ()
-    if script != WRITER:
+    if script not in WRITERS:
       assert lines[script] == f'cp {script} utils.py {" ".join(extra + ("LICENSE",))} "$PROJECT"/'
-    for name in (script, 'utils.py') + extra + (('supervisor.py',) if script == WRITER else ()):
+    for name in (script, 'utils.py') + extra + WRITERS.get(script, ()):
       imported = set()
       for node in ast.walk(ast.parse((REPO / name).read_text())):
         if isinstance(node, ast.Import):
@@ -64,6 +68,48 @@ def test_every_kit_is_its_script_utils_and_licence_and_imports_nothing_else():
       assert imported & ours <= {'utils', *(e[:-3] for e in extra)} | OPTIONAL, (name, imported & ours)
       assert ('supervisor' not in imported or 'supervisor = None' in (REPO / name).read_text()
               or script == WRITER)
+
+
+def test_token_writer_kit_alone_stops_on_ctrl_c_and_sigterm_leaving_nothing_and_then_writes(
+    tmp_path):
+  # make_token_files.py as its copy line copies it. Its train.bin.tmp made a named pipe that
+  # this test reads a little of: the writer is held mid-write (the pipe full) when the signal
+  # comes, whatever the machine's pace. Ctrl-C (SIGINT to its group), then SIGTERM: exit codes
+  # 130 and 75, one line each, the partial file removed, no train.bin, no meta.json.
+  project = tmp_path / 'project'
+  copy_kit(TOKENS, project)
+  text, output = tmp_path / 'text.txt', tmp_path / 'tokens'
+  text.write_text('the cat sees the moon.\n' * 50_000)  # 1.1 MB: many times a pipe's 64 KB
+  output.mkdir()
+  stops = ((signal.SIGINT, 130, r'Ctrl-C \(SIGINT\)'), (signal.SIGTERM, 75, 'SIGTERM'))
+  for sig, code, name in stops:
+    os.mkfifo(output / 'train.bin.tmp')
+    # Open before the writer starts (not blocked, whatever it does), and kept open until it ends.
+    pipe = os.open(output / 'train.bin.tmp', os.O_RDONLY | os.O_NONBLOCK)
+    try:
+      process = start_in(project, TOKENS, text, '--output', output)
+      read = 0
+      while read < 4096:
+        assert select.select([pipe], [], [], 120)[0], 'the writer wrote nothing in 120 s'
+        chunk = os.read(pipe, 4096 - read)
+        assert chunk, process.communicate(timeout=120)[0]  # It ended first: why.
+        read += len(chunk)
+      (os.killpg if sig == signal.SIGINT else os.kill)(process.pid, sig)
+      out, _ = process.communicate(timeout=120)
+    finally:
+      os.close(pipe)
+    assert_one_error((process.returncode, out), code, rf'^error: stopped by {name}: nothing is '
+                     r'half-written \(the files of this run are removed\); run the same command '
+                     r'to write them$')
+    assert os.listdir(output) == [], os.listdir(output)
+    assert_nothing_left(session=process.pid)
+  # The same command again writes the files, and says the command that trains on them.
+  process = start_in(project, TOKENS, text, '--output', output)
+  out, _ = process.communicate(timeout=120)
+  assert process.returncode == 0, out
+  assert f'python train_decoder_spmd.py --datadir {output}' in out
+  written = (output / 'train.bin').read_bytes() + (output / 'val.bin').read_bytes()
+  assert written == text.read_bytes()
 
 
 def start_in(project, *argv):
