@@ -653,3 +653,15 @@ UPSTREAM_FLAGS = {
     'use_zero_grad': 'needs nothing: upstream parses it and never reads it; every step here '
                      'zeroes the gradients',
 }
+# The same for train_decoder_spmd.py, whose own flags are upstream's decoder flags under the
+# names of its config (examples/decoder_only_model.py's DecoderOnlyConfig).
+DECODER_FLAGS = {
+    **UPSTREAM_FLAGS,
+    **{flag: f'give --{ours} (as upstream\'s DecoderOnlyConfig names it)' for flag, ours in (
+        ('hidden-size', 'hidden_size'), ('num-layers', 'num_hidden_layers'),
+        ('num-attention-heads', 'num_attention_heads'),
+        ('num-key-value-heads', 'num_key_value_heads'),
+        ('intermediate-size', 'intermediate_size'))},
+    'is-decoder-layer-pure': "examples/train_decoder_only_base.py's cache of its scan: this script "
+                             'runs its layers in a loop, no scan',
+}

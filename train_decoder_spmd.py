@@ -891,4 +891,5 @@ if __name__ == '__main__':
   if utils.in_notebook():  # %run in a notebook: a command of its own, as run() starts it.
     run(sys.argv[1:])
   else:
-    app.run(main, flags_parser=utils.parse_flags)
+    app.run(main, flags_parser=lambda argv: utils.parse_flags(
+        argv, supervisor.DECODER_FLAGS if supervisor else None))

@@ -246,3 +246,7 @@ def test_bad_token_files_are_one_line_each(tokens, tmp_path):
   for datadir, extra, line in cases:
     result = run_script(SCRIPT, '--datadir', datadir, *SMALL, *extra)
     assert_one_error(result, 2, '^error: ' + line)
+  # Upstream's decoder flag (examples/train_decoder_only_base.py's) named as it is here.
+  result = run_script(SCRIPT, '--fake_data', '--num-layers', 16)
+  assert_one_error(result, 2, r"^error: --num-layers: give --num_hidden_layers \(as upstream's "
+                   r'DecoderOnlyConfig names it\)$')
