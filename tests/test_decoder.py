@@ -147,18 +147,22 @@ def test_learns_and_a_killed_then_interrupted_fsdp_run_resumes_bitwise_then_on_t
   assert read_checkpoint(tmp_path / 'ckpt' / 'ckpt-00000032.pt')['global_step'] == 32
 
 
-def test_hybrid_with_checkpointing_accumulation_and_amp_learns_and_compiles_in_epoch_1_only(
-    tokens, tmp_path):
+def test_hybrid_with_every_memory_flag_learns_from_a_bucket_and_a_stalled_bucket_is_one_line(
+    tokens, tmp_path, bucket, monkeypatch):
   # Every memory flag at once, on 4 devices: 2 groups of 2 sharing the weights, each layer
   # recomputed in the backward, 2 batches a step, the forward in bfloat16; on the tokenizer's
-  # files (uint16 ids, its vocabulary).
+  # files (uint16 ids, its vocabulary) in a bucket, read by a loader worker's range requests.
+  for name, value in bucket.items():
+    monkeypatch.setenv(name, value)
+  fsspec.filesystem('gs', skip_instance_cache=True).put(str(tokens / 'bpe'), 'data/bpe',
+                                                        recursive=True)
   vocab = json.loads((tokens / 'bpe' / 'meta.json').read_text())['vocab_size']
-  result = run_script(SCRIPT, '--datadir', tokens / 'bpe', *SMALL, '--sharding', 'hybrid',
-                      '--fsdp_size', 2, '--use_gradient_checkpointing',
-                      '--gradient_accumulation_steps', 2, '--amp', '--batch_size', 1,
-                      '--test_set_batch_size', 4, '--num_epochs', 2, '--num_steps', 6,
-                      '--log_steps', 1, '--lr', 3e-3, '--num_workers', 0, '--results_json',
-                      tmp_path / 'results.json', env=FOUR)
+  args = ['--datadir', 'gs://data/bpe', *SMALL, '--sharding', 'hybrid', '--fsdp_size', 2,
+          '--use_gradient_checkpointing', '--gradient_accumulation_steps', 2, '--amp',
+          '--batch_size', 1, '--test_set_batch_size', 4, '--num_epochs', 2, '--num_steps', 6,
+          '--log_steps', 1, '--lr', 3e-3, '--num_workers', 1]
+  result = run_script(SCRIPT, *args, '--results_json', tmp_path / 'results.json',
+                      env=script_env(CPU_NUM_DEVICES='4', **bucket))
   assert result.returncode == 0, result.stdout + result.stderr
   assert re.search(r'^Mesh of 4 devices \(2 data x 2 fsdp, --sharding hybrid\)', result.stdout, re.M)
   results = read_json(tmp_path / 'results.json')
@@ -169,6 +173,18 @@ def test_hybrid_with_checkpointing_accumulation_and_amp_learns_and_compiles_in_e
   assert counts[0] == counts[1], counts  # Nothing compiled after epoch 1.
   held = results['bytes_per_device']  # Half of the weights and of both moments on each device.
   assert held['optimizer'] == 2 * held['weights'], held
+  # A bucket that stalls at the first training window's read: gcsfs's deadline (BUCKET_TIMEOUT),
+  # one line from the loader worker, and nothing left running.
+  port = int(bucket['STORAGE_EMULATOR_HOST'].rsplit(':', 1)[1])
+  link = SlowLink(port, when=b'train.bin?alt=media')  # A read of its bytes, not of its size.
+  stalled = start_script(SCRIPT, *args, env=script_env(
+      CPU_NUM_DEVICES='4', BUCKET_TIMEOUT='2',
+      **dict(bucket, STORAGE_EMULATOR_HOST=f'http://127.0.0.1:{link.port}')))
+  assert_one_error(finish(stalled), 2, r'^error: cannot read gs://data/bpe/train\.bin: a '
+                   r'request to the bucket took over 2 s; check the network, then run the same '
+                   r'command again$')
+  assert link.trickle
+  assert_nothing_left(session=stalled.pid)
 
 
 def test_a_diverging_run_ends_in_one_line_with_exit_code_22_and_saves_nothing(tokens, tmp_path):
@@ -183,40 +199,6 @@ def test_a_diverging_run_ends_in_one_line_with_exit_code_22_and_saves_nothing(to
                    r'is 10000\) and run again: nothing was saved, so it starts over \(exit code '
                    r'22\)$')
   assert not list((tmp_path / 'ckpt').glob('ckpt-*'))
-
-
-def test_token_files_in_a_bucket_train_as_from_disk_and_a_bucket_that_stalls_is_one_line(
-    tokens, tmp_path, bucket, monkeypatch):
-  for name, value in bucket.items():
-    monkeypatch.setenv(name, value)
-  fsspec.filesystem('gs', skip_instance_cache=True).put(str(tokens / 'tokens'), 'data/tokens',
-                                                        recursive=True)
-  # The same run from the disk and from the bucket (a loader worker's range requests): the same
-  # batches, so the same losses.
-  args = [*SMALL, '--batch_size', 2, '--test_set_batch_size', 4, '--num_steps', 3, '--log_steps',
-          1, '--num_workers', 1]
-  two = script_env(CPU_NUM_DEVICES='2', **bucket)
-  local = start_script(SCRIPT, '--datadir', tokens / 'tokens', *args, env=two)
-  remote = run_script(SCRIPT, '--datadir', 'gs://data/tokens/', *args, env=two)
-  assert remote.returncode == 0, remote.stdout + remote.stderr
-  code, local_out = finish(local)
-  assert code == 0, local_out
-  losses = training_losses(remote.stdout)
-  assert len(losses) == 3 and losses == training_losses(local_out), remote.stdout
-  final = re.compile(r'^Final eval loss: .*$', re.M)
-  assert final.findall(remote.stdout) == final.findall(local_out) != [], remote.stdout
-  # A bucket that stalls at the first training window's read: gcsfs's deadline (BUCKET_TIMEOUT),
-  # one line from the loader worker, and nothing left running.
-  port = int(bucket['STORAGE_EMULATOR_HOST'].rsplit(':', 1)[1])
-  link = SlowLink(port, when=b'train.bin?alt=media')  # A read of its bytes, not of its size.
-  stalled = start_script(SCRIPT, '--datadir', 'gs://data/tokens', *args, env=script_env(
-      CPU_NUM_DEVICES='2', BUCKET_TIMEOUT='2',
-      **dict(bucket, STORAGE_EMULATOR_HOST=f'http://127.0.0.1:{link.port}')))
-  assert_one_error(finish(stalled), 2, r'^error: cannot read gs://data/tokens/train\.bin: a '
-                   r'request to the bucket took over 2 s; check the network, then run the same '
-                   r'command again$')
-  assert link.trickle
-  assert_nothing_left(session=stalled.pid)
 
 
 def test_bad_token_files_are_one_line_each(tokens, tmp_path):
