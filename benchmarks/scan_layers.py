@@ -9,10 +9,11 @@ so. Under FSDPv2 (--sharding fsdp) scan_layers failed here ("Expected XLA tensor
 why the script has no --scan_layers (docs/scripts.md). Each mode runs in a fresh process (no
 compile cache) and does 3 AdamW steps; the table says the seconds of the first step (tracing,
 compiling, running), XLA's compile time (its CompileTime metric), the graphs compiled, the
-third step's seconds and the third step's loss (equal in both modes: the same computation).
+third step's seconds, the process's peak memory and the third step's loss (equal in both modes:
+the same computation). A run the kernel kills (out of memory) is a row that says so.
 
   pip install jax==0.7.1 jaxlib==0.7.1 torchax==0.0.13
-  python benchmarks/scan_layers.py                  # 16 layers: about 5 minutes on 2 cores
+  python benchmarks/scan_layers.py                  # 16 layers: about 3 minutes on 2 cores
   python benchmarks/scan_layers.py --layers 32
 """
 
@@ -31,7 +32,7 @@ flags.DEFINE_integer('devices', 4, 'XLA:CPU devices (CPU_NUM_DEVICES).', lower_b
 
 # One mode in a process of its own: argv is mode, layers, width. Prints one tab-separated row.
 RUN = '''
-import sys, time
+import resource, sys, time
 import numpy as np, torch, torch_xla
 import torch_xla.debug.metrics as met, torch_xla.distributed.spmd as xs, torch_xla.runtime as xr
 import train_decoder_spmd as script
@@ -62,7 +63,9 @@ for step in range(3):
   torch_xla.sync(wait=True)
   seconds.append(time.time() - start)
 count, nanoseconds = met.metric_data('CompileTime')[:2]
-print(f'{seconds[0]:.1f}\\t{nanoseconds / 1e9:.1f}\\t{count}\\t{seconds[2]:.2f}\\t{loss.item():.6f}')
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # KB to GB
+print(f'{seconds[0]:.1f}\\t{nanoseconds / 1e9:.1f}\\t{count}\\t{seconds[2]:.2f}\\t{peak:.1f}\\t'
+      f'{loss.item():.6f}')
 '''
 
 
@@ -80,16 +83,20 @@ def main(argv):
   env.pop('XLA_PERSISTENT_CACHE_PATH', None)
   print(f'Decoder of {FLAGS.layers} layers of width {FLAGS.hidden_size}, batch of 4 windows of '
         f'256 tokens on each of {FLAGS.devices} XLA:CPU devices, sharded along the batch')
-  print('| layers run as | first step (s) | XLA compile (s) | graphs | third step (s) | loss |')
-  print('| --- | --- | --- | --- | --- | --- |', flush=True)
+  print('| layers run as | first step (s) | XLA compile (s) | graphs | third step (s) | '
+        'peak memory (GB) | loss |')
+  print('| --- | --- | --- | --- | --- | --- | --- |', flush=True)
   for mode in ('a loop', 'scan_layers'):
     result = subprocess.run([sys.executable, '-c', RUN, mode, str(FLAGS.layers),
                              str(FLAGS.hidden_size)], cwd=REPO, env=env, capture_output=True,
                             text=True)
-    if result.returncode:
+    if result.returncode == -9:  # The kernel's OOM killer, as a rule (see dmesg).
+      print(f'| {mode} | killed by SIGKILL: out of memory? | | | | | |', flush=True)
+    elif result.returncode:
       sys.exit(f'error: the run of {mode} failed (exit code {result.returncode}):\n'
                + '\n'.join(result.stderr.splitlines()[-15:]))
-    print(f'| {mode} | ' + ' | '.join(result.stdout.split()[-5:]) + ' |', flush=True)
+    else:
+      print(f'| {mode} | ' + ' | '.join(result.stdout.split()[-6:]) + ' |', flush=True)
 
 
 if __name__ == '__main__':
