@@ -573,9 +573,10 @@ def _descendants(pid):
 # ------------------------------------------------------------------------- upstream's flags
 # The flags of pytorch/xla's training scripts (test/args_parse.py, test/test_train_mp_imagenet*.py,
 # test/spmd/test_train_spmd_imagenet.py, test/test_profile_mp_mnist.py, test/test_train_mp_mnist*.py,
-# the accumulation test test/utils/train_spmd_linear_model_grad_acc.py and
-# examples/train_decoder_only_base.py, at v2.9.0) that a script here does not have, each with what
-# does its job here: said in one line instead of absl's guess (docs/scripts.md#from-upstreams-scripts).
+# the accumulation test test/utils/train_spmd_linear_model_grad_acc.py,
+# test/pjrt/test_train_hf_transformer.py and examples/train_decoder_only_base.py, at v2.9.0)
+# that a script here does not have, each with what does its job here: said in one line instead
+# of absl's guess (docs/scripts.md#from-upstreams-scripts).
 _FSDP = ("upstream's FSDP is train_resnet_spmd.py --sharding fsdp here (FSDPv2 over a mesh: each "
          "weight sharded along its largest dimension, each block in BLOCKS a unit of its own)")
 _DECODER = ("examples/train_decoder_only_base.py's model: train_decoder_spmd.py trains a decoder "
@@ -626,6 +627,8 @@ UPSTREAM_FLAGS = {
     'profile_epoch': "give --profile_step alone: it counts the run's steps from its start (epoch "
                      "E's step S is (E - 1) x an epoch's steps + S)",
     'shard_param_on_dim_0': f'{_FSDP}',
+    'short_data': 'give --num_steps N: a cap on the steps of each epoch (upstream keeps the '
+                  'first 1,000 samples of each set)',
     'sharding': "train_resnet_spmd.py's (batch, fsdp, hybrid): this script holds the whole model "
                 'on each device',
     **{f'sharding={mode}': "upstream's spatial, conv and linear shard one layer's activations as "
