@@ -391,8 +391,8 @@ def check_token_file(path, dtype, vocab, fix):
 
 
 def in_time(url, call, *args):
-  """fs.call(path, *args) on url's file system; each request to a bucket within utils.
-  BUCKET_SECONDS, or one line (a BadDataError: from a loader worker too)."""
+  """fs.call(path, *args) on url's file system. A request to a bucket past its deadline
+  (utils.BUCKET_SECONDS) is one line: a BadDataError, which a loader worker sends back whole."""
   fs, path = utils.url_fs(url)
   try:
     return getattr(fs, call)(path, *args)
