@@ -56,7 +56,8 @@ class Stopped(_OneLine, Exception):
 
 class Failed(_OneLine, Exception):
   """Any other exit code (see the README): 21 below --target_accuracy (.results holds the
-  run's), 1 a bug (its traceback is in the output above), 128 + N killed by signal N."""
+  run's), 22 diverged, 23 out of device memory, 1 a bug (its traceback is in the output above),
+  128 + N killed by signal N."""
 
   def __init__(self, message, code, results=None):
     super().__init__(message)

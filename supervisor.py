@@ -171,7 +171,8 @@ def describe_recipe(cfg, source, optimizer=None):
               dict(lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay))
   momentum = f', momentum {settings["momentum"]:g}' if 'momentum' in settings else ''
   return (f'Recipe: {type(optimizer).__name__ if optimizer else "SGD"}, lr {settings["lr"]:g} '
-          f'{schedule}{momentum}, weight decay {settings.get("weight_decay", 0):g} ({source})')
+          f'{schedule}{momentum}, weight decay {settings.get("weight_decay", 0):g} ({source}); '
+          f'float32 mat-mul precision {cfg.mat_mul_precision}')
 
 
 def usable_workers(num_workers, given):

@@ -91,8 +91,10 @@ flags.DEFINE_integer('host_to_device_transfer_threads', 1, 'Host-to-device copy 
 flags.DEFINE_bool('bf16', False, 'Train in bfloat16: sets XLA_USE_BF16=1 before the runtime starts.')
 flags.DEFINE_bool('amp', False, 'Mixed precision: forward and loss autocast to bfloat16, weights and '
                   'optimizer in float32 (see docs/tpu.md).')
+flags.DEFINE_enum('mat_mul_precision', 'default', ['default', 'high', 'highest'], 'Float32 matrix products and convolutions on a TPU: 1, 3 or 6 bfloat16 passes (docs/tpu.md).')
 flags.DEFINE_string('logdir', None, 'TensorBoard folder for loss, rate, lr and eval loss (process 0).')
 flags.DEFINE_bool('metrics_debug', False, "Print torch_xla's metrics report after each epoch.")
+flags.DEFINE_bool('debug_graphs', False, "Say why each graph compiled after epoch 1 did (torch_xla's analysis).")
 flags.DEFINE_bool('profile', False, 'Start the profiler server so TensorBoard can capture a trace.')
 flags.DEFINE_integer('profiler_port', 9012, 'Profiler server port.')
 flags.DEFINE_integer('profile_step', None, 'Capture a trace of each host\'s process from this '
@@ -488,7 +490,7 @@ def start_run(cfg, vocab_size, steps_per_epoch, stop_signal, mesh):
                                            run.results['world_size'], sharded=True)
   if state is not None:
     utils.say_resumed(path, state, vars(cfg), restore_checkpoint(run, state))
-  run.log = utils.StepLog(device, writer, run.results['history'])  # After the restore.
+  run.log = utils.StepLog(device, writer, run.results)  # After the restore.
   # The profiler serves TensorBoard's captures, and --profile_step's, while this run is held.
   run.profiler = (xp.start_server(cfg.profiler_port)
                   if cfg.profile or cfg.profile_step is not None else None)
@@ -678,7 +680,7 @@ def end_epoch(run, epoch, loss):
     results['eval_epochs'].append(epoch)
     results.update(final_eval_loss=loss, min_eval_loss=loss if best else lowest)
     test_utils.write_to_summary(run.log.writer, epoch, {'Loss/eval': loss})
-  results['compilations_after_epoch'].append(utils.compile_count())
+  run.log.end_epoch(epoch, evaluated=loss is not None)  # The graphs compiled by now.
   utils.check_learning(run.log, epoch, run.num_classes, run.cfg.lr,
                        recipe(run.cfg)[1]['lr'])
   if run.cfg.metrics_debug:
@@ -777,7 +779,7 @@ def train(cfg, stop_signal):
       steps, stopped = train_one_epoch(run, train_device_loader, epoch, first_step)
       train_loader.check()
       xm.wait_device_ops()  # Time the device work, not just the tracing.
-      run.log.flush()  # Its lines before the epoch's.
+      run.log.trained(epoch)  # Its lines before the epoch's, and a graph its last steps compiled.
       seconds = time.time() - start
       results['train_seconds'] += seconds
       say_held(run, epoch, steps)
@@ -866,12 +868,12 @@ def main(argv):
     try:
       if supervisor:  # What runs, said first; bad input in one line.
         check_job(cfg, {name for name in FLAGS if FLAGS[name].present})
-      utils.use_compile_cache(cfg.compile_cache_dir, xr.process_index())  # Before any computation.
+      utils.prepare_process(cfg, xr.process_index())  # Before any computation.
       results, code = train(cfg, utils.stop_signal)
       if utils.is_master():
         utils.write_results(cfg.results_json, results)
-    except utils.SAID as e:  # A bad flag, path or file, a full disk: one line.
-      utils.die(e)
+    except Exception as e:  # A bad flag, path or file, a full disk, a device out of memory:
+      utils.die_or_raise(e)  # one line; a bug: its traceback.
   sys.exit(code)
 
 

@@ -56,9 +56,11 @@ flags.DEFINE_integer('host_to_device_transfer_threads', 1, 'Host-to-device copy 
 flags.DEFINE_bool('bf16', False, 'Train in bfloat16: sets XLA_USE_BF16=1 before the runtime starts.')
 flags.DEFINE_bool('amp', False, 'Mixed precision: forward and loss autocast to bfloat16, weights and '
                   'optimizer in float32 (see docs/tpu.md).')
+flags.DEFINE_enum('mat_mul_precision', 'default', ['default', 'high', 'highest'], 'Float32 matrix products and convolutions on a TPU: 1, 3 or 6 bfloat16 passes (docs/tpu.md).')
 flags.DEFINE_float('target_accuracy', 0.0, 'Exit with code 21 if the final accuracy (%) is below it.')
 flags.DEFINE_string('logdir', None, 'TensorBoard folder for loss, rate, lr and accuracy.')
 flags.DEFINE_bool('metrics_debug', False, "Print torch_xla's metrics report after each epoch.")
+flags.DEFINE_bool('debug_graphs', False, "Say why each graph compiled after epoch 1 did (torch_xla's analysis).")
 flags.DEFINE_bool('profile', False, 'Start the profiler server so TensorBoard can capture a trace.')
 flags.DEFINE_integer('profiler_port', 9012, 'Profiler server port.')
 flags.DEFINE_integer('profile_step', None, 'Capture a trace of the run from this step on '
@@ -227,7 +229,7 @@ def start_run(cfg, num_classes, steps_per_epoch, stop_signal):
                                            vars(cfg), run.results['world_size'])
   if state is not None:
     utils.say_resumed(path, state, vars(cfg), restore_checkpoint(run, state))
-  run.log = utils.StepLog(device, writer, run.results['history'])  # After the restore.
+  run.log = utils.StepLog(device, writer, run.results)  # After the restore.
   # The profiler serves TensorBoard's captures, and --profile_step's, while this run is held.
   run.profiler = (xp.start_server(cfg.profiler_port)
                   if cfg.profile or cfg.profile_step is not None else None)
@@ -353,7 +355,7 @@ def end_epoch(run, epoch, accuracy, counts):
     results.update(final_accuracy=accuracy, eval_correct=counts[0], eval_samples=counts[1],
                    max_accuracy=max(results['max_accuracy'], accuracy))
     test_utils.write_to_summary(run.log.writer, epoch, {'Accuracy/test': accuracy})
-  results['compilations_after_epoch'].append(utils.compile_count())
+  run.log.end_epoch(epoch, evaluated=accuracy is not None)  # The graphs compiled by now.
   utils.check_learning(run.log, epoch, run.num_classes, run.cfg.lr,
                        FLAGS['lr'].default)
   if run.cfg.metrics_debug:
@@ -385,7 +387,7 @@ def train(cfg, stop_signal):
       steps, stopped = train_one_epoch(run, train_device_loader, epoch, first_step)
       train_loader.check()
       xm.wait_device_ops()  # Time the device work, not just the tracing.
-      run.log.flush()  # Its lines before the epoch's.
+      run.log.trained(epoch)  # Its lines before the epoch's, and a graph its last steps compiled.
       seconds = time.time() - start
       results['train_seconds'] += seconds
       if stopped:  # By SIGTERM, SIGHUP or Ctrl-C: saved here (--ckpt_dir); exit code 75 or 130.
@@ -426,11 +428,11 @@ def main(argv):
         supervisor.check_job(cfg, build_datasets, build_model, FAKE_CLASSES,
                              {name for name in FLAGS if FLAGS[name].present},
                              build_optimizer=build_optimizer)
-      utils.use_compile_cache(cfg.compile_cache_dir)  # Before the first computation.
+      utils.prepare_process(cfg)  # Before any computation.
       results, code = train(cfg, utils.stop_signal)
       utils.write_results(cfg.results_json, results)
-    except utils.SAID as e:  # A bad flag, path or file, a full disk: one line.
-      utils.die(e)
+    except Exception as e:  # A bad flag, path or file, a full disk, a device out of memory:
+      utils.die_or_raise(e)  # one line; a bug: its traceback.
   sys.exit(code)
 
 

@@ -2,8 +2,8 @@
 """What every process of a training run does, whichever script it runs: one-line errors and
 exit codes; the data (the split across replicas, seeded samples, loaders, normalisation on the
 device); the log and results; files and buckets; checkpoints; the stop every replica agrees
-on. It reads no FLAGS: a copied script needs it and nothing else (supervisor.py, command.py:
-optional)."""
+on. It reads no flag's value: a copied script needs it and nothing else (supervisor.py,
+command.py: optional)."""
 
 import asyncio
 import collections
@@ -15,6 +15,7 @@ import functools
 import io
 import itertools
 import json
+import logging
 import math
 import multiprocessing
 import multiprocessing.connection
@@ -26,6 +27,8 @@ import signal
 import socket
 import struct
 import sys
+import sysconfig
+import tempfile
 import threading
 import time
 import traceback
@@ -37,6 +40,7 @@ import fsspec.implementations.local
 import numpy as np
 import torch
 import torch_xla
+import torch_xla.backends
 import torch_xla.core.xla_model as xm
 import torch_xla.debug.metrics as met
 import torch_xla.runtime as xr
@@ -51,6 +55,7 @@ from torchvision.transforms import v2
 warnings.filterwarnings('ignore', category=Image.DecompressionBombWarning)
 EXIT_BELOW_TARGET = 21  # upstream's code for a run below --target_accuracy
 EXIT_DIVERGED = 22  # the loss or the weights ran away: nothing was saved after it
+EXIT_OUT_OF_MEMORY = 23  # a device could not hold the step (or the host, on XLA:CPU)
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped by SIGTERM (SIGHUP) after a checkpoint; run it again.
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a Ctrl-C.
 # The user's SIGINT in the lines about it: a notebook's run() says "Interrupt", after its button.
@@ -98,9 +103,49 @@ class Diverged(Exception):
   """The loss or the weights ran away at the step this names (every replica agrees on it)."""
 
 
+class OutOfMemory(Exception):
+  """A device that cannot hold what the step needs, from the RuntimeError XLA raises: XLA:CPU's
+  `Out of memory allocating N bytes`, a TPU's `RESOURCE_EXHAUSTED ... memory` (at compile or
+  run). One `error:` line naming the flags that cut memory, exit code 23."""
+  exit_code = EXIT_OUT_OF_MEMORY
+  FLAGS = {'batch_size': 'a smaller --batch_size', 'gradient_accumulation_steps':
+           '--gradient_accumulation_steps N with --batch_size / N', 'amp': '--amp',
+           'use_gradient_checkpointing': '--use_gradient_checkpointing',
+           'sharding': '--sharding fsdp'}
+
+  @classmethod
+  def of(cls, error):
+    """The OutOfMemory error means, or None."""
+    text = str(error)
+    cpu = re.search(r'Out of memory allocating (\d+) bytes', text)
+    tpu = 'RESOURCE_EXHAUSTED' in text and re.search(
+        r'(Ran out of memory[^\n]*|Attempting to allocate [^\n]*?\.|[^\n]*memory[^\n]*)', text)
+    if not isinstance(error, RuntimeError) or not (cpu or tpu):
+      return None
+    what = (f'XLA could not allocate {int(cpu[1]) / 1e9:,.1f} GB for a graph' if cpu else
+            f'RESOURCE_EXHAUSTED: {tpu[1].strip()[:200]}')
+    cuts = [cut for name, cut in cls.FLAGS.items() if name in flags.FLAGS]
+    return cls(f'out of device memory ({what}): cut what a device holds with '
+               f'{", ".join(cuts[:-1])} or {cuts[-1]}, and run again (see '
+               'docs/large_models.md#out-of-device-memory)')
+
+
 # Said in one `error:` line (exit code 2, or the error's exit_code), not a traceback: a user's
-# mistake, bad data, an OSError, a loader worker that died.
-SAID = (UsageError, BadDataError, OSError, LoaderWorkerDied)
+# mistake, bad data, an OSError, a loader worker that died, a device out of memory.
+SAID = (UsageError, BadDataError, OSError, LoaderWorkerDied, OutOfMemory)
+
+
+def said(error):
+  """What to say of an error in one `error:` line (see SAID), or None for a bug."""
+  return error if isinstance(error, SAID) else OutOfMemory.of(error)
+
+
+def die_or_raise(error):
+  """In an except block: one `error:` line for what SAID holds or a device out of memory (see
+  die), the error's traceback for a bug."""
+  if said(error) is None:
+    raise error
+  die(said(error))
 
 
 def die(message, code=2):
@@ -165,12 +210,18 @@ def set_precision(amp, bf16):
     os.environ['XLA_USE_BF16'] = '1'
 
 
-def use_compile_cache(cache_dir, process=None):
-  """--compile_cache_dir: torch_xla's compile cache there, a folder per process (hosts may share
-  a mounted one), before the first computation (see docs/checkpoints.md)."""
-  if cache_dir:
-    xr.initialize_cache(os.path.join(cache_dir, f'process-{process}') if process is not None else
-                        cache_dir)
+def prepare_process(cfg, process=None):
+  """Before this process's first computation: --compile_cache_dir's cache (a folder per process:
+  hosts may share a mounted one; see docs/checkpoints.md), --debug_graphs's analysis, and
+  --mat_mul_precision (see docs/tpu.md), each a setting of the process, not of its launcher."""
+  if cfg.compile_cache_dir:
+    xr.initialize_cache(os.path.join(cfg.compile_cache_dir, f'process-{process}')
+                        if process is not None else cfg.compile_cache_dir)
+  debug_graphs(cfg.debug_graphs)
+  if cfg.mat_mul_precision != torch_xla.backends.get_mat_mul_precision():
+    # Its warning of a precision set "multiple times" comes at the first time too.
+    logging.getLogger(torch_xla.backends.__name__).setLevel(logging.ERROR)
+    torch_xla.backends.set_mat_mul_precision(cfg.mat_mul_precision)
 
 
 def check_picklable(datasets):
@@ -595,29 +646,143 @@ class _QuietOnceGone:
 class StepLog:
   """Training lines (pytorch/xla's, which TPU users grep for) and TensorBoard scalars, in order,
   from a thread of their own: add() is a step closure; reading the loss in it would hold up the
-  next step."""
+  next step. A graph compiled after this process's first epoch (a late graph: it stalls a TPU
+  run while it compiles) is said at the first line after it, and why with --debug_graphs."""
 
-  def __init__(self, device, writer, history):
-    self.device, self.writer, self.history = device, writer, history  # history: results'
-    self.restored = len(history)  # Steps of the run a checkpoint held: this run logged the rest.
+  def __init__(self, device, writer, results):
+    self.device, self.writer, self.results = device, writer, results
+    self.history = results['history']  # The run's logged steps: a checkpoint's, then this run's.
+    self.restored = len(self.history)
     self.pending = collections.deque()
     self.thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix='log')
+    self.graphs = None  # The count a later one is late past: from this process's first epoch end.
+    self.evaluated = False  # This process's first evaluation compiles graphs of its own, not late.
+    self.analysis = GraphAnalysis()
 
-  def add(self, *line):  # What _print takes.
-    self.pending.append(self.thread.submit(self._print, *line))
+  def add(self, *line):  # What _print takes; the graphs compiled by then (a host read, no sync).
+    self.pending.append(self.thread.submit(self._print, *line, compile_count()))
 
-  def _print(self, epoch, step, global_step, loss, tracker, lr):
+  def _print(self, epoch, step, global_step, loss, tracker, lr, graphs):
     loss, rate = loss.item(), tracker.rate()
     test_utils.print_training_update(self.device, step, loss, rate, tracker.global_rate(), epoch)
     self.history.append(dict(epoch=epoch, step=step, global_step=global_step, loss=loss,
                              rate=rate, lr=lr))
     test_utils.write_to_summary(self.writer, global_step,
                                 {'Loss/train': loss, 'Rate/train': rate, 'LR': lr})
+    self.check_graphs(graphs, f'by epoch {epoch} step {step}')
+    if len(self.history) == self.restored + 1:  # This process's first line
+      self.say_memory()
+
+  def say_memory(self):
+    """What the device holds after the first step, and its limit: on a TPU (XLA:CPU keeps no
+    allocator statistics; torch_xla raises UNIMPLEMENTED there)."""
+    if xr.device_type() != 'TPU':
+      return
+    try:
+      info = xm.get_memory_info(self.device)
+    except RuntimeError:  # A device it does not know (not checked on a TPU here): nothing said.
+      return
+    xm.master_print(f'Device memory after the first step: {info["bytes_used"] / 1e9:.2f} GB of '
+                    f'{info["bytes_limit"] / 1e9:.2f} GB (peak {info["peak_bytes_used"] / 1e9:.2f} '
+                    'GB)', flush=True)
 
   def flush(self):
     """Waits until every line added so far is printed (and raises what failed)."""
     while self.pending:
       self.pending.popleft().result()
+
+  def trained(self, epoch):  # After an epoch's last step: its lines, and its last steps' graphs.
+    self.flush()
+    self.check_graphs(compile_count(), f'in the last steps of epoch {epoch}')
+
+  def end_epoch(self, epoch, evaluated):
+    """At an epoch's end, its evaluation's graphs in: the count into the results; from the end of
+    this process's first epoch on, each graph compiled is late."""
+    count = compile_count()
+    if not evaluated or self.evaluated:
+      self.check_graphs(count, f"in epoch {epoch}'s evaluation")
+    self.evaluated |= evaluated
+    self.graphs = count
+    self.results['compilations_after_epoch'].append(count)
+
+  def check_graphs(self, count, where):
+    graphs = self.analysis.read()  # Those compiled since the last check, with --debug_graphs.
+    if self.graphs is None or count <= self.graphs:
+      return
+    late, self.graphs = count - self.graphs, count
+    self.results['late_graphs'] += late
+    xm.master_print(f'warning: {late} graph{"s" * (late > 1)} compiled {where} ({count - late} '
+                    f'before, {count} now): each graph compiled after the first epoch stalls a '
+                    'TPU run while it compiles; ' + (
+                        'why:' if graphs else 'give --debug_graphs to see why, and see '
+                        'docs/performance.md#a-late-graph'), fd=sys.stderr, flush=True)
+    for graph in graphs[-late:]:
+      xm.master_print(f'  {graph}', fd=sys.stderr, flush=True)
+
+
+def debug_graphs(on):
+  """--debug_graphs: torch_xla's analysis of each graph it compiles (PT_XLA_DEBUG_LEVEL=1), into a
+  file of this process's that StepLog reads. Before the process's first computation: torch_xla
+  reads these variables then. The file is unlinked at once: nothing is left behind."""
+  if not on:
+    return
+  if compile_count():  # A notebook's second run: the analysis cannot be turned on now.
+    print('warning: --debug_graphs: this process compiled graphs already, and torch_xla turns '
+          'its analysis on only before the first; restart the kernel to use it', file=sys.stderr)
+    return
+  fd, path = tempfile.mkstemp(prefix='xla-graphs-', suffix='.txt')
+  os.unlink(path)
+  os.environ.update(PT_XLA_DEBUG_LEVEL='1', PT_XLA_DEBUG_FILE=f'/proc/{os.getpid()}/fd/{fd}')
+
+
+class GraphAnalysis:
+  """Each graph in torch_xla's analysis (PT_XLA_DEBUG_FILE, see debug_graphs) as the line a user
+  acts on: why it compiled, at which line of their code, and what differs from the graph that
+  line compiled before (the inputs' bytes: another shape; the same bytes: another Python value
+  or branch in the traced code)."""
+  BLOCK = re.compile(r'Compilation Cause\n[^\n]*Analysis: +(?P<cause>[^\n]*)\n[\s\S]*?'
+                     r'Graph Hash: (?P<hash>\w+)\n[\s\S]*?Number of Graph Inputs: (?P<inputs>\d+)'
+                     r'[\s\S]*?Triggered Execution: *\n(?P<frames>(?:[^\n]*Analysis: +\S[^\n]*\n)*)'
+                     r'[\s\S]*?Graph input size: (?P<gb>[\d.]+)')
+  FRAME = re.compile(r'Analysis: +(\S+) \((.*):(\d+)\)$', re.M)
+  LIBRARIES = tuple({sysconfig.get_path(name) for name in ('stdlib', 'purelib', 'platlib')})
+
+  def __init__(self):
+    path = os.environ.get('PT_XLA_DEBUG_FILE') if os.environ.get('PT_XLA_DEBUG_LEVEL') else None
+    self.path, self.file, self.text = path, None, ''
+    self.before = {}  # The last graph compiled at each line of code: (hash, inputs, GB).
+
+  def read(self):
+    """The lines of the graphs compiled since the last read."""
+    if self.path and self.file is None and os.path.exists(self.path):
+      self.file = open(self.path, errors='replace')  # torch_xla makes it at its first compile.
+    if self.file is None:
+      return []
+    self.text += self.file.read()
+    lines, end = [], 0
+    for block in self.BLOCK.finditer(self.text):  # A block written in part waits for the next read.
+      lines.append(self.describe(block))
+      end = block.end()
+    self.text = self.text[end:]
+    return lines
+
+  def describe(self, block):
+    frames = [(name, path, line) for name, path, line in self.FRAME.findall(block['frames'])]
+    ours = next((frame for frame in frames if not frame[1].startswith(self.LIBRARIES)),
+                frames[0] if frames else ('?', '?', '?'))
+    name, path, line = ours
+    where = f'{name} ({os.path.relpath(path) if path.startswith(os.getcwd()) else path}:{line})'
+    graph = (block['hash'][:8], int(block['inputs']), float(block['gb']))
+    said = f'graph {graph[0]} ({graph[1]} inputs, {graph[2]:g} GB): {block["cause"]}, at {where}'
+    earlier = self.before.get(where)
+    self.before[where] = graph
+    if earlier is None:
+      return said + '; the first graph from that line'
+    if earlier[1:] != graph[1:]:
+      return (said + f'; that line compiled graph {earlier[0]} before, of {earlier[1]} inputs and '
+              f'{earlier[2]:g} GB: an input of another shape here (a last partial batch?)')
+    return (said + f'; that line compiled graph {earlier[0]} before, of the same inputs and bytes: '
+            'a Python value or branch in the code it traced differs')
 
 
 def compile_count():  # XLA graphs this process compiled so far
@@ -629,8 +794,9 @@ def new_results(model, **extra):
   return dict(dict(model=model, script=os.path.basename(sys.argv[0]), world_size=xr.world_size(),
                    epochs=0, max_accuracy=0.0, final_accuracy=0.0, eval_correct=0,
                    eval_samples=0, epoch_rates=[], epoch_accuracies=[], eval_epochs=[],
-                   compilations_after_epoch=[], train_seconds=0.0, history=[],
-                   bf16=os.environ.get('XLA_USE_BF16') == '1'), **extra)  # extra overrides.
+                   compilations_after_epoch=[], late_graphs=0, train_seconds=0.0, history=[],
+                   bf16=os.environ.get('XLA_USE_BF16') == '1',
+                   mat_mul_precision=torch_xla.backends.get_mat_mul_precision()), **extra)
 
 
 def add_totals(results, global_step, samples_per_step, log):
@@ -659,16 +825,11 @@ def say_time_and_graphs(results):
   """A finished run's train time, and its graphs: how many compiled after its first epoch."""
   xm.master_print(f'Total train time: {results["train_seconds"]:.1f} s', flush=True)
   after = results['compilations_after_epoch']  # At each epoch's end, its evaluation's in.
-  ours = [epoch for epoch, count in enumerate(after) if count is not None]
-  if ours:  # Each graph compiled after this process's first epoch would stall a TPU run.
-    start = ours[0]
-    late = after[-1] - after[start]
-    # The first evaluation's graphs are not late ones (--eval_interval, --test_only_at_end).
-    first = next((epoch - 1 for epoch in results['eval_epochs'] if epoch - 1 > start), None)
-    if first is not None and first < len(after):
-      late -= after[first] - after[first - 1]
+  start = next((epoch for epoch, count in enumerate(after) if count is not None), None)
+  if start is not None:  # This process's first epoch: StepLog counted its late graphs after it.
+    late = results['late_graphs']
     xm.master_print(f'Graphs compiled: {results["compilations"]}, ' + (f'{late} after epoch '
-        f'{start + 1} (a new shape each: see docs/performance.md)' if late else
+        f'{start + 1} (see docs/performance.md#a-late-graph)' if late else
         f'none after epoch {start + 1}'), flush=True)
 
 
@@ -964,7 +1125,7 @@ def checkpoint_to_resume(resume_path, ckpt_dir, weights, flag_values, world_size
   accuracies = state['results'].get('epoch_accuracies', [])  # Before --eval_interval: each epoch.
   # Another process's counts: this one compiles its graphs anew (say_finished counts from here).
   compiled = state['results']['compilations_after_epoch']
-  state['results']['compilations_after_epoch'] = [None] * len(compiled)
+  state['results'].update(compilations_after_epoch=[None] * len(compiled), late_graphs=0)
   state['results'].setdefault('eval_epochs', list(range(1, len(accuracies) + 1)))
   where = f'epoch {state["epoch"]} goes on from step {state["step"]}'
   for name in batch_flags:
@@ -1272,17 +1433,17 @@ def _end_with(launcher):
 def replica_failed(error):
   """Ends this replica at once, saying why (see replica). A replica alone in its run exits
   through SystemExit, which torch_xla.launch hands to the launcher: its code is the run's."""
-  said = isinstance(error, SAID)
+  one_line = said(error)
   last_line()  # Its log thread may still be printing the last steps' lines.
-  if said:
+  if one_line:
     where = f'replica {xr.global_ordinal()}: ' if xr.world_size() > 1 else ''
-    print(f'error: {where}{error}', file=sys.stderr, flush=True)
+    print(f'error: {where}{one_line}', file=sys.stderr, flush=True)
   else:
     traceback.print_exception(error)
   end_loader_workers()
   sys.stdout.flush()
   sys.stderr.flush()
-  code = getattr(error, 'exit_code', 2) if said else 1
+  code = getattr(one_line, 'exit_code', 2) if one_line else 1
   if xr.world_size() == 1 and os.environ.get('PJRT_LOCAL_PROCESS_COUNT') == '1':
     sys.exit(code)  # torch_xla.launch's own process count: no other waits for it.
   os._exit(code)

@@ -304,7 +304,8 @@ def test_readme_adapt_it_example_learns_in_a_project_with_its_own_utils(tmp_path
                    r'Model: smallcnn \(Sequential, [\d.]+M parameters, 3 classes\)\n'
                    r'Recipe: SGD, lr 0\.02 constant, momentum 0\.9, weight decay 0\.0001 \(--lr as '
                    r"given, --lr_scheduler_type from the default recipe, the rest the flags' "
-                   r'defaults\)$', result.stdout, re.M), result.stdout[:2000]
+                   r'defaults\); float32 mat-mul precision default$', result.stdout, re.M), \
+      result.stdout[:2000]
   results = read_json(tmp_path / 'r.json')
   assert results['model'] == 'smallcnn'
   assert results['final_accuracy'] > 90, result.stdout[-3000:]

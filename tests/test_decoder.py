@@ -201,6 +201,18 @@ def test_a_diverging_run_ends_in_one_line_with_exit_code_22_and_saves_nothing(to
   assert not list((tmp_path / 'ckpt').glob('ckpt-*'))
 
 
+def test_a_batch_too_large_for_the_devices_is_one_line_and_exit_code_23():
+  # Each device's step needs about a terabyte (its logits alone: 4096 windows of 512 tokens):
+  # XLA:CPU refuses it at once, as a TPU does with RESOURCE_EXHAUSTED.
+  result = run_script(SCRIPT, '--fake_data', *SMALL[:-2], '--seq_len', 512, '--batch_size', 4096,
+                      '--num_epochs', 1, '--num_steps', 1, '--num_workers', 0, env=FOUR)
+  assert_one_error(result, 23, r'^error: out of device memory \(XLA could not allocate [\d,.]+ GB '
+                   r'for a graph\): cut what a device holds with a smaller --batch_size, '
+                   r'--gradient_accumulation_steps N with --batch_size / N, --amp, '
+                   r'--use_gradient_checkpointing or --sharding fsdp, and run again \(see '
+                   r'docs/large_models\.md#out-of-device-memory\)$')
+
+
 def test_bad_token_files_are_one_line_each(tokens, tmp_path):
   def folder(name, meta, train=b'abc' * 100, val=b'xyz' * 50):
     path = tmp_path / name

@@ -244,6 +244,28 @@ def test_failing_replica_ends_the_run_with_its_code(data, tmp_path):
   assert_nothing_left(session=process.pid)
 
 
+# A batch whose step needs far more than the host has (XLA:CPU allocates a graph's buffers at
+# once: 209 GB here, refused at once), as a device out of memory is met.
+TOO_LARGE = ['--fake_data', '--model', 'resnet18', '--img_dim', 16, '--batch_size', 400000,
+             '--num_epochs', 1, '--num_steps', 1, '--num_workers', 0]
+OUT_OF_MEMORY = (r'^error: out of device memory \(XLA could not allocate [\d,.]+ GB for a graph\): '
+                 r'cut what a device holds with a smaller --batch_size, '
+                 r'--gradient_accumulation_steps N with --batch_size / N or --amp, and run again '
+                 r'\(see docs/large_models\.md#out-of-device-memory\)$')
+
+
+def test_a_step_too_large_for_the_device_is_one_line_and_exit_code_23(tmp_path):
+  # The mp kit alone (copied without supervisor.py), its replica spawned: train_wds_cifar.py
+  # shares its replica code, train_single_core.py the SPMD scripts' (tests/test_decoder.py).
+  for name in ('train_resnet_mp.py', 'utils.py'):
+    shutil.copy(REPO / name, tmp_path)
+  process = subprocess.Popen([sys.executable, 'train_resnet_mp.py', *map(str, TOO_LARGE)],
+                             cwd=tmp_path, env=script_env(), stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
+  assert_one_error(finish(process), 23, OUT_OF_MEMORY)
+  assert_nothing_left(session=process.pid)
+
+
 def test_failed_checkpoint_write_is_one_line_and_keeps_the_earlier_ones(data, tmp_path):
   ckpt_dir = tmp_path / 'ckpt'
   args = ['--datadir', data / 'folder', '--model', 'resnet18', '--img_dim', 16, '--batch_size',

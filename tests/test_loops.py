@@ -210,6 +210,8 @@ DIFFERENCES = [
     test_utils.write_to_summary(run.log.writer, epoch, {'Accuracy/test': accuracy})""",
        """    results.update(final_eval_loss=loss, min_eval_loss=loss if best else lowest)
     test_utils.write_to_summary(run.log.writer, epoch, {'Loss/eval': loss})"""),
+      ("""  run.log.end_epoch(epoch, evaluated=accuracy is not None)  # The graphs compiled by now.""",
+       """  run.log.end_epoch(epoch, evaluated=loss is not None)  # The graphs compiled by now."""),
       ("""      xm.master_print(f'Epoch {epoch} train end {test_utils.now()}, Reduced GlobalRate={rate:.2f}',
                       flush=True)
       accuracy = counts = None  # Unless evaluated (--eval_interval, --test_only_at_end).""",

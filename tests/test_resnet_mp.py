@@ -73,7 +73,7 @@ def test_learns_with_warmup_and_decay_then_a_diverged_run_goes_on_as_its_line_sa
       r'Model: resnet18 \(ResNet, 11\.18M parameters, 4 classes\)\n'
       r'Recipe: SGD, lr 0\.03 linear warm-up over 0\.25 epochs, then divided by 5 every 2 epochs, '
       r"momentum 0\.9, weight decay 0\.0001 \(--lr and --lr_scheduler_type as given, the rest the "
-      r"flags' defaults\)\n"
+      r"flags' defaults\); float32 mat-mul precision default\n"
       r'Starting one replica \(--num_cores 1\) \.\.\.\n'
       r'Replicas started: 1; compiling the first step \.\.\.\n'
       r'Epoch 1 train begin', result.stdout), result.stdout[:2000]

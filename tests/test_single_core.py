@@ -59,7 +59,8 @@ def test_readme_quick_start_flags_with_amp_train_report_and_keep_weights_and_sta
   out = result.stdout
   assert 'Epoch 1 train begin' in out and 'Epoch 1 train end' in out
   # No optimiser flag given: the line says so.
-  assert re.search(r"^Recipe: SGD, lr 0\.1 constant, .* \(the flags' defaults\)$", out, re.M), out
+  assert re.search(r"^Recipe: SGD, lr 0\.1 constant, .* \(the flags' defaults\); float32 mat-mul "
+                   r"precision default$", out, re.M), out
   assert re.search(r'^Epoch 1 test end \d\d:\d\d:\d\d, Accuracy=\d+\.\d\d$', out, re.M)
   assert re.search(r'^Max Accuracy: \d+\.\d\d%$', out, re.M)
   # Fake labels are constant, so the loss must fall fast.
@@ -96,6 +97,7 @@ def test_bf16_flag_trains_in_bf16(tmp_path):
 
 def test_learns_counts_every_val_image_once_and_compiles_only_in_epoch_1(tmp_path, colour_folder):
   # 21 val images with --test_set_batch_size 4: five full batches and one of a single image.
+  # --mat_mul_precision highest changes nothing on XLA:CPU, which multiplies float32 as it is.
   # One of them is a red image filed under green, which a model that learned the colours
   # gets wrong: the exact accuracy is 20/21, and any padding or dropped image changes it.
   # At --lr 0.005 the last epoch's accuracy was 100% of the colours for each of 6 seeds; at
@@ -112,6 +114,7 @@ def test_learns_counts_every_val_image_once_and_compiles_only_in_epoch_1(tmp_pat
                       '--batch_size', 16, '--test_set_batch_size', 4, '--num_epochs', 3,
                       '--lr', 0.005, '--num_workers', 2, '--log_steps', 5,
                       '--target_accuracy', 99, '--ckpt_dir', tmp_path / 'ckpt',
+                      '--mat_mul_precision', 'highest',
                       '--results_json', tmp_path / 'r.json', env=hlo_dump_env(tmp_path))
   # Below --target_accuracy 99: upstream's exit code.
   assert result.returncode == 21, result.stdout[-3000:] + result.stderr
@@ -120,8 +123,12 @@ def test_learns_counts_every_val_image_once_and_compiles_only_in_epoch_1(tmp_pat
   # What the data is, is said at start, as ImageFolder counts it.
   assert re.search(r'^Data: 257 training and 21 evaluation samples of 3x32x32 uint8, 4 classes\n'
                    r'Model: resnet18 .*\nRecipe: SGD, lr 0\.005 constant, momentum 0\.9, weight decay '
-                   r"0\.0001 \(--lr as given, the rest the flags' defaults\)$", result.stdout, re.M), \
-      result.stdout
+                   r"0\.0001 \(--lr as given, the rest the flags' defaults\); float32 mat-mul "
+                   r'precision highest$', result.stdout, re.M), result.stdout
+  # --mat_mul_precision: on a TPU, float32 products in 6 bfloat16 passes, as the graphs ask.
+  assert results['mat_mul_precision'] == 'highest'
+  products = re.findall(r'^.* (?:convolution|dot)\(.*$', dumped_hlo(tmp_path), re.M)
+  assert products and all('operand_precision={highest,highest}' in line for line in products)
   assert results['eval_samples'] == 21, result.stdout[-3000:]
   assert results['eval_correct'] == 20
   assert results['final_accuracy'] == pytest.approx(100 * 20 / 21)
@@ -172,6 +179,61 @@ def test_a_loss_at_chance_level_all_epoch_names_the_lr_and_goes_on(tmp_path):
   assert re.search(r'^warning: the run resumed after step 4 of an epoch that has 3 steps now: it '
                    r'trains none of them; the epoch ends here$', result.stderr, re.M), result.stderr
   assert 'chance level' not in result.stderr and not training_losses(result.stdout), result.stderr
+
+
+BRANCHING_MODEL = """import torch
+
+
+class Model(torch.nn.Module):  # A copier's: a Python branch on a value in its 9th training step.
+  def __init__(self, num_classes):
+    super().__init__()
+    self.fc = torch.nn.Linear(3 * 16 * 16, num_classes)
+    self.steps = 0
+
+  def forward(self, x):
+    self.steps += self.training
+    y = self.fc(x.flatten(1))
+    if self.steps == 9 and y.mean() > -1e9:  # Reads the value: a graph of its own, and the rest
+      y = y * 1.0  # of the step's.
+    return y
+"""
+
+
+def test_a_graph_compiled_after_epoch_1_is_said_at_its_step_with_its_line_of_code(tmp_path):
+  # The kit copied, and a model of the copier's whose 9th training step (epoch 2 step 2 of 6)
+  # reads a value to branch on it: two graphs more, which --debug_graphs traces to that line.
+  (tmp_path / 'mymodel.py').write_text(BRANCHING_MODEL)
+  branch = BRANCHING_MODEL.splitlines().index(next(
+      line for line in BRANCHING_MODEL.splitlines() if 'y.mean()' in line)) + 1
+  script = (REPO / SCRIPT).read_text()
+  (tmp_path / SCRIPT).write_text(script.replace(
+      '  return utils.create_model(cfg.model, num_classes)\n',
+      '  import mymodel\n  return mymodel.Model(num_classes)\n', 1))
+  (tmp_path / 'utils.py').write_text((REPO / 'utils.py').read_text())
+  (tmp_path / 'tmp').mkdir()
+  result = subprocess.run(
+      [sys.executable, SCRIPT, '--fake_data', '--img_dim', '16', '--batch_size', '4',
+       '--num_epochs', '2', '--num_steps', '6', '--log_steps', '3', '--debug_graphs',
+       '--results_json', 'r.json'], cwd=tmp_path, env=script_env(TMPDIR=str(tmp_path / 'tmp')),
+      capture_output=True, text=True, timeout=600)
+  assert result.returncode == 0, both(result)
+  said = re.search(r'^warning: 2 graphs compiled by epoch 2 step 3 \((\d+) before, (\d+) now\): '
+                   r'each graph compiled after the first epoch stalls a TPU run while it compiles; '
+                   r'why:\n  graph \w{8} \(\d+ inputs, [\d.]+ GB\): most likely user code trying '
+                   rf'to access tensor value before torch_xla.sync, at forward \(mymodel.py:{branch}\); '
+                   r'the first graph from that line\n  graph \w{8} .*, at train_one_epoch '
+                   rf'\({SCRIPT}:\d+\); that line compiled graph \w{{8}} before, of the same inputs '
+                   r'and bytes: a Python value or branch in the code it traced differs\n',
+                   result.stderr, re.M)
+  assert said and int(said[2]) == int(said[1]) + 2, result.stderr
+  assert result.stderr.count('warning: ') == 1, result.stderr  # Nothing else is late.
+  # Said after the line of step 3, the first after the branch's step 2; counted at the end too.
+  out = result.stdout
+  assert out.index('Epoch=2 Step=3 ') < out.index('Epoch 2 Replica Train'), out
+  assert re.search(rf'^Graphs compiled: {said[2]}, 2 after epoch 1 \(see '
+                   r'docs/performance.md#a-late-graph\)$', out, re.M), out
+  assert read_json(tmp_path / 'r.json')['late_graphs'] == 2
+  assert not list((tmp_path / 'tmp').iterdir())  # torch_xla's analysis file went with the run.
 
 
 def test_a_run_whose_last_step_runs_away_ends_as_diverged_naming_the_weight_decay(tmp_path):

@@ -994,7 +994,8 @@ def test_photos_as_jpeg_shards_over_http_learn_as_their_folders_do(photo_shards,
                    r'Model: resnet18 \(ResNet, 11\.18M parameters, 4 classes\)\n'
                    r'Recipe: SGD, lr 0\.005 constant, momentum 0\.9, weight decay 0\.0001 \(--lr as '
                    r'given, --lr_scheduler_type and --weight_decay from the ImageNet recipe, the '
-                   r"rest the flags' defaults\)$", result.stdout, re.M), result.stdout[:2000]
+                   r"rest the flags' defaults\); float32 mat-mul precision default$", result.stdout,
+                   re.M), result.stdout[:2000]
   results = read_json(tmp_path / 'r.json')
   assert (results['eval_correct'], results['eval_samples']) == (20, 21), result.stdout
   assert results['train_steps'] == 2 * 16
@@ -1257,7 +1258,8 @@ def test_bad_input_is_one_clear_line_and_exit_2(shards, case):
     assert re.search(r'^Recipe: SGD, lr 0\.5 linear warm-up over 0\.9 epochs, then divided by 5 '
                      r'every 20 epochs, momentum 0\.9, weight decay 0\.0001 \(--lr, '
                      r"--lr_scheduler_type and --weight_decay from resnet50's tuned ImageNet "
-                     r"recipe, the rest the flags' defaults\)$", result.stdout, re.M), result.stdout
+                     r"recipe, the rest the flags' defaults\); float32 mat-mul precision default$",
+                     result.stdout, re.M), result.stdout
 
 
 def test_stopped_run_ends_bitwise_equal(photo_shards, tmp_path):
