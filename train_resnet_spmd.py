@@ -318,8 +318,8 @@ def start_run(cfg, num_classes, steps_per_epoch, stop_signal, mesh):
     xs.mark_sharding(buffer, mesh, (None,) * buffer.dim())
   run.log = utils.StepLog(device, writer, run.results)  # After the restore.
   # The profiler serves TensorBoard's captures, and --profile_step's, while this run is held.
-  run.profiler = (xp.start_server(cfg.profiler_port)
-                  if cfg.profile or cfg.profile_step is not None else None)
+  run.profiler = utils.start_profiler(cfg, cfg.profiler_port, run.global_step,
+                                      steps_per_epoch * cfg.num_epochs)
   if run.epoch <= cfg.num_epochs:  # Else: 'Run already finished'.
     xm.master_print(f'Mesh of {mesh.size()} devices ({mesh.mesh_shape[0]} data x '
                     f'{mesh.mesh_shape[1]} fsdp, --sharding {cfg.sharding}); compiling the first '
@@ -380,9 +380,7 @@ def train_one_epoch(run, loader, epoch, first_step):
   for step, batches in enumerate(utils.in_steps(loader, cfg.gradient_accumulation_steps),
                                  first_step):
     if run.global_step == cfg.profile_step and xm.is_master_ordinal():
-      # A trace of the next --profile_duration_ms, written by a thread as the run trains on.
-      xp.trace_detached(f'localhost:{cfg.profiler_port}', cfg.profile_logdir or cfg.logdir,
-                        duration_ms=cfg.profile_duration_ms)
+      utils.capture_trace(cfg)  # Of the next --profile_duration_ms, as the run trains on.
     loss = 0
     for i, batch in enumerate(batches, 1):
       # Named steps in a profile; each batch ends in a sync, so that a step of several holds one

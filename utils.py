@@ -43,6 +43,7 @@ import torch_xla
 import torch_xla.backends
 import torch_xla.core.xla_model as xm
 import torch_xla.debug.metrics as met
+import torch_xla.debug.profiler as xp
 import torch_xla.runtime as xr
 import torch_xla.test.test_utils as test_utils
 import torchvision
@@ -222,6 +223,36 @@ def prepare_process(cfg, process=None):
     # Its warning of a precision set "multiple times" comes at the first time too.
     logging.getLogger(torch_xla.backends.__name__).setLevel(logging.ERROR)
     torch_xla.backends.set_mat_mul_precision(cfg.mat_mul_precision)
+
+
+def start_profiler(cfg, port, global_step, last_step):
+  """torch_xla's profiler server for --profile and --profile_step (None without them), on a port
+  checked free first (held by another process, torch_xla says only C++ lines, and a trace would
+  ask a server that is not this run's), with --profile_step a step this run trains."""
+  if not cfg.profile and cfg.profile_step is None:
+    return None
+  if cfg.profile_step is not None and cfg.profile_step >= last_step:
+    raise UsageError(f"--profile_step {cfg.profile_step} is past the run's last step "
+                     f"({last_step - 1}: steps count from 0 at the run's start): give a step it "
+                     'trains, or more --num_epochs')
+  if cfg.profile_step is not None and cfg.profile_step < global_step:
+    xm.master_print(f'warning: --profile_step {cfg.profile_step} is before step {global_step}, '
+                    'where this run resumes: it takes no trace', fd=sys.stderr, flush=True)
+  try:
+    socket.create_server(('', port)).close()
+  except OSError as e:
+    raise UsageError(f'--profiler_port: port {port} is taken ({os.strerror(e.errno)}): another '
+                     'process listens there; give another --profiler_port') from None
+  return xp.start_server(port)
+
+
+def capture_trace(cfg):
+  """--profile_step's trace of the next --profile_duration_ms into --profile_logdir, by a thread
+  as the run trains on, which ends with the run: torch_xla's trace_detached would hold the
+  process past its end while a trace it cannot write retries (minutes, for a bucket)."""
+  threading.Thread(target=xp.trace, name='trace', daemon=True, args=(
+      f'localhost:{cfg.profiler_port}', cfg.profile_logdir or cfg.logdir),
+      kwargs=dict(duration_ms=cfg.profile_duration_ms)).start()
 
 
 def check_picklable(datasets):

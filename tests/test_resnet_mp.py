@@ -138,6 +138,12 @@ def test_profile_serves_traces_with_named_steps(tmp_path):
     while 'Step=20 ' not in log.read_text():  # Past compilation: steps are running.
       assert run.poll() is None and time.time() < deadline, log.read_text()[-3000:]
       time.sleep(0.5)
+    # Another run given the port this one serves on: one line before it trains (before, only
+    # torch_xla's C++ lines, and a --profile_step trace that asked this server).
+    held = run_script(SCRIPT, *TINY_RUN, '--num_steps', 2, '--profile', '--profiler_port', port,
+                      '--num_cores', 1, timeout=300)
+    assert_one_error(held, 2, rf'^error: --profiler_port: port {port} is taken \(Address already '
+                     r'in use\): another process listens there; give another --profiler_port$')
     capture = subprocess.run(
         [sys.executable, '-c', 'import sys, torch_xla.debug.profiler as xp; '
          'xp.trace(sys.argv[1], sys.argv[2], duration_ms=2000)', f'localhost:{port}',
@@ -188,11 +194,18 @@ def test_help_answers_before_torch_loads_and_into_a_closed_pipe(script):
   assert piped.returncode == 0 and piped.stderr == '', piped.stderr
 
 
-def test_too_little_data_for_a_batch_is_a_clear_error(tmp_path, colour_folder):
+def test_too_little_data_for_a_batch_or_a_profile_step_is_a_clear_error(tmp_path, colour_folder):
   # Found by the replica as it makes its loaders: --num_cores 1 runs it in this process.
   result = run_script(SCRIPT, '--datadir', colour_folder, '--model', 'resnet18',
                       '--batch_size', 300, '--num_workers', 0, '--num_cores', 1, timeout=300)
   assert_one_error(result, 2, r'^error: 256 training images make no batch of 300')
+  # A --profile_step the run never reaches: before, it trained without a trace or a word.
+  result = run_script(SCRIPT, '--datadir', colour_folder, '--model', 'resnet18', '--batch_size',
+                      64, '--num_epochs', 2, '--profile_step', 8, '--logdir', tmp_path / 'tb',
+                      '--num_workers', 0, '--num_cores', 1, timeout=300)
+  assert_one_error(result, 2, r"^error: --profile_step 8 is past the run's last step \(7: steps "
+                   r"count from 0 at the run's start\): give a step it trains, or more "
+                   r'--num_epochs$')
 
 
 def test_killed_and_stopped_run_ends_bitwise_equal(tmp_path):

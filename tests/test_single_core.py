@@ -125,10 +125,15 @@ def test_learns_counts_every_val_image_once_and_compiles_only_in_epoch_1(tmp_pat
                    r'Model: resnet18 .*\nRecipe: SGD, lr 0\.005 constant, momentum 0\.9, weight decay '
                    r"0\.0001 \(--lr as given, the rest the flags' defaults\); float32 mat-mul "
                    r'precision highest$', result.stdout, re.M), result.stdout
-  # --mat_mul_precision: on a TPU, float32 products in 6 bfloat16 passes, as the graphs ask.
+  # --mat_mul_precision: on a TPU, float32 products in 6 bfloat16 passes where the graphs ask:
+  # every dot and forward convolution. torch_xla 2.9 lowers the backward's convolutions (of the
+  # inputs' and the weights' gradients) without a precision, which a TPU runs at its default:
+  # docs/tpu.md says so, and this fails the day an upgrade changes it.
   assert results['mat_mul_precision'] == 'highest'
-  products = re.findall(r'^.* (?:convolution|dot)\(.*$', dumped_hlo(tmp_path), re.M)
-  assert products and all('operand_precision={highest,highest}' in line for line in products)
+  products = re.findall(r'^.* (?:dot|convolution)\(.*$', dumped_hlo(tmp_path), re.M)
+  asked = {(' dot(' in line or 'dim_labels=bf01_oi01->bf01' in line,  # A dot or forward convolution
+            'operand_precision={highest,highest}' in line) for line in products}
+  assert asked == {(True, True), (False, False)}, asked
   assert results['eval_samples'] == 21, result.stdout[-3000:]
   assert results['eval_correct'] == 20
   assert results['final_accuracy'] == pytest.approx(100 * 20 / 21)
