@@ -144,9 +144,10 @@ def said(error):
 def die_or_raise(error):
   """In an except block: one `error:` line for what SAID holds or a device out of memory (see
   die), the error's traceback for a bug."""
-  if said(error) is None:
+  one_line = said(error)
+  if one_line is None:
     raise error
-  die(said(error))
+  die(one_line)
 
 
 def die(message, code=2):
@@ -798,21 +799,21 @@ class GraphAnalysis:
     return lines
 
   def describe(self, block):
-    frames = [(name, path, line) for name, path, line in self.FRAME.findall(block['frames'])]
+    frames = self.FRAME.findall(block['frames'])  # (function, path, line) of each
     ours = next((frame for frame in frames if not frame[1].startswith(self.LIBRARIES)),
                 frames[0] if frames else ('?', '?', '?'))
     name, path, line = ours
     where = f'{name} ({os.path.relpath(path) if path.startswith(os.getcwd()) else path}:{line})'
     graph = (block['hash'][:8], int(block['inputs']), float(block['gb']))
-    said = f'graph {graph[0]} ({graph[1]} inputs, {graph[2]:g} GB): {block["cause"]}, at {where}'
+    text = f'graph {graph[0]} ({graph[1]} inputs, {graph[2]:g} GB): {block["cause"]}, at {where}'
     earlier = self.before.get(where)
     self.before[where] = graph
     if earlier is None:
-      return said + '; the first graph from that line'
+      return text + '; the first graph from that line'
     if earlier[1:] != graph[1:]:
-      return (said + f'; that line compiled graph {earlier[0]} before, of {earlier[1]} inputs and '
+      return (text + f'; that line compiled graph {earlier[0]} before, of {earlier[1]} inputs and '
               f'{earlier[2]:g} GB: an input of another shape here (a last partial batch?)')
-    return (said + f'; that line compiled graph {earlier[0]} before, of the same inputs and bytes: '
+    return (text + f'; that line compiled graph {earlier[0]} before, of the same inputs and bytes: '
             'a Python value or branch in the code it traced differs')
 
 
