@@ -194,7 +194,7 @@ def checkpoint_costs(tmp, name):
 # fixed when the runtime starts): prints [(kind, MB, save s, load s), ...].
 SHARDED_COSTS = """
 import json, pathlib, sys, time, types
-import torch, torch.nn.functional as F, torch_xla, torch_xla.core.xla_model as xm
+import torch, torch_xla, torch_xla.core.xla_model as xm
 import sharded_checkpoints, train_resnet_spmd as script, utils
 script.FLAGS(['costs', '--fake_data', '--model', sys.argv[1], '--lr', '0.1'])
 script.xr.use_spmd()
@@ -206,10 +206,8 @@ for kind in ('one file', 'batch', 'fsdp'):
   mesh = script.build_mesh(cfg, devices, 1)
   model = script.shard_model(script.build_model(cfg, 1000), mesh, cfg)
   optimizer = script.build_optimizer(cfg, model)
-  images, labels = torch.zeros(devices, 3, 32, 32), torch.zeros(devices, dtype=torch.int64)
-  F.cross_entropy(model(images.to('xla')), labels.to('xla')).backward()
-  optimizer.step()  # Momentum buffers exist, as in a real checkpoint.
-  torch_xla.sync()
+  utils.make_optimizer_state(optimizer)  # Momentum buffers, as the scripts make them: no step to
+  torch_xla.sync()                       # compile, the same bytes to save and load.
   xm.wait_device_ops()
   state = dict(model=script.weights(model), optimizer=optimizer.state_dict(), lr_scheduler=None,
                epoch=1, step=1, global_step=1, flags={}, results={},

@@ -52,7 +52,7 @@ def test_learns_with_warmup_and_decay_then_a_diverged_run_goes_on_as_its_line_sa
   # Warm-up over a quarter epoch and a division after the second: the learning rate
   # changes every step, and still nothing is compiled after epoch 1.
   ckpt_dir = tmp_path / 'ckpt'
-  args = ['--datadir', colour_folder, '--model', 'resnet18', '--img_dim', 32, '--batch_size', 16,
+  args = ['--datadir', colour_folder, '--model', 'resnet18', '--img_dim', 16, '--batch_size', 16,
           '--test_set_batch_size', 4, '--lr_scheduler_type', 'WarmupAndExponentialDecayScheduler',
           '--lr_warmup_epochs', 0.25, '--lr_scheduler_divide_every_n_epochs', 2, '--num_workers', 64,
           '--persistent_workers', '--log_steps', 5, '--ckpt_dir', ckpt_dir]
@@ -69,7 +69,7 @@ def test_learns_with_warmup_and_decay_then_a_diverged_run_goes_on_as_its_line_sa
   cpus = len(os.sched_getaffinity(0))
   assert re.match(
       rf'--num_workers 64 is more than the {cpus} CPUs this process may use: using {cpus}\n'
-      r'Data: 256 training and 21 evaluation samples of 3x32x32 uint8, 4 classes\n'
+      r'Data: 256 training and 21 evaluation samples of 3x16x16 uint8, 4 classes\n'
       r'Model: resnet18 \(ResNet, 11\.18M parameters, 4 classes\)\n'
       r'Recipe: SGD, lr 0\.03 linear warm-up over 0\.25 epochs, then divided by 5 every 2 epochs, '
       r"momentum 0\.9, weight decay 0\.0001 \(--lr and --lr_scheduler_type as given, the rest the "
