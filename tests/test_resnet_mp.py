@@ -160,7 +160,6 @@ BAD_INPUTS = {
     'missing datadir': (['--datadir', 'nowhere'], r'nowhere/train is not a folder'),
     'unknown model': (['--fake_data', '--model', 'resnet7'], r'--model resnet7 is not a torchvision classification model .*build_model'),
     'num_cores other than 1': (['--fake_data', '--num_cores', 8], r'--num_cores=8'),
-    'zero batch size': (['--fake_data', '--batch_size', 0], r'--batch_size=0'),
     'an lr past float32': (['--fake_data', '--lr', '1e39'],
                            r'^error: --lr 1e\+39: give a finite number that float32 holds'),
     # Unwritable --results_json and --ckpt_dir: the same probe (supervisor.check_outputs, from
