@@ -206,8 +206,10 @@ for kind in ('one file', 'batch', 'fsdp'):
   mesh = script.build_mesh(cfg, devices, 1)
   model = script.shard_model(script.build_model(cfg, 1000), mesh, cfg)
   optimizer = script.build_optimizer(cfg, model)
-  utils.make_optimizer_state(optimizer)  # Momentum buffers, as the scripts make them: no step to
-  torch_xla.sync()                       # compile, the same bytes to save and load.
+  # Momentum buffers, as the scripts make them before a first step: no step to compile, and the
+  # bytes a real checkpoint saves and loads.
+  utils.make_optimizer_state(optimizer)
+  torch_xla.sync()
   xm.wait_device_ops()
   state = dict(model=script.weights(model), optimizer=optimizer.state_dict(), lr_scheduler=None,
                epoch=1, step=1, global_step=1, flags={}, results={},

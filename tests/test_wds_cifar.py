@@ -1097,9 +1097,10 @@ def test_a_stalled_evaluation_then_a_resume_on_other_shards_are_each_one_line(sh
   # 2. The same shards of 4 classes given --num_classes 10, resumed from it with a --trainsize
   #    of one step, evaluated on a file that is not a tar: a line for the classes, the
   #    changed --trainsize, the epoch left with no step and the evaluation that read nothing.
-  # Both in one process (--num_cores 1): what they say does not depend on a replica to start. A
-  # spawned replica's stalled server is test_a_server_that_stops_answering_mid_epoch_ends_the_run_in_one_line's,
-  # and a launcher's checkpoint resumed by one process test_stopped_run_ends_bitwise_equal's.
+  # Both in one process (--num_cores 1): what they say does not depend on a replica to start.
+  # A spawned replica's stalled server is the mid-epoch stall test's
+  # (test_a_server_that_stops_answering_mid_epoch_ends_the_run_in_one_line), and a launcher's
+  # checkpoint resumed by one process is test_stopped_run_ends_bitwise_equal's.
   (tmp_path / 'bad-test-000000.tar').write_bytes(np.random.default_rng(0).bytes(4096))
   args = ['--wds_traindir', shards / 'shards' / 'cifar-train-{000000..000009}.tar',
           '--num_classes', 10, '--batch_size', 16, '--num_steps', 4, '--num_epochs', 1,
