@@ -194,6 +194,8 @@ def parse_flags(argv):
   """The text files (the arguments that are not flags); a bad flag is one line, exit code 2."""
   try:
     return FLAGS(argv)
+  except SystemExit:  # absl's --help prints, then exits 1.
+    sys.exit(0)
   except flags.Error as e:
     utils.die(f'{e} (see --helpshort)')
 

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from conftest import (TRAIN_LINE, SlowLink, assert_nothing_left, assert_one_error, finish,
-                      index_chunks, read_checkpoint, read_json, run_and_signal, run_script,
+from conftest import (TRAIN_LINE, SlowLink, assert_nothing_left, assert_one_error, both,
+                      finish, index_chunks, read_checkpoint, read_json, run_and_signal, run_script,
                       script_env, seeded_random, start_script, training_losses, wait_for)
 from test_large_models import assert_same_state
 
@@ -85,6 +85,9 @@ def test_token_files_hold_the_texts_bytes_and_say_how_to_train(tokens):
   assert_one_error(refused, 2, r'^error: (--tokenizer needs the tokenizers package|cannot read '
                    r'--tokenizer \S+not\.json)')
   assert not (tokens / 'out').exists() or not list((tokens / 'out').iterdir())
+  # --helpshort: its flags, exit code 0 (absl's own is 1, which a shell takes for a failure).
+  helped = run_script(WRITER, '--helpshort')
+  assert helped.returncode == 0 and '--tokenizer' in helped.stdout, both(helped)
 
 
 def test_learns_and_a_killed_then_interrupted_fsdp_run_resumes_bitwise_then_on_two_devices(tokens, tmp_path):
