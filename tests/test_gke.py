@@ -54,10 +54,16 @@ def manifest_of(xpk, words, tmp_path):
           'IMAGE': 'us-docker.pkg.dev/refs-project/refs/refs:2.9', 'BUCKET': 'refs-bucket'}
   words = [re.sub(r'\b(' + '|'.join(fill) + r')\b', lambda m: fill[m.group(1)], w) for w in words]
   manifest = tmp_path / 'jobset.yaml'
+  # Without its usage report, which xpk posts to play.googleapis.com from a temporary file (as
+  # `xpk config set send-telemetry false` turns it off): nothing leaves 127.0.0.1, or is left.
+  config = tmp_path / '.config' / 'xpk' / 'config.yaml'
+  config.parent.mkdir(parents=True, exist_ok=True)
+  config.write_text(yaml.safe_dump({'version': 'v1', 'configs': {'send-telemetry': 'false'}}))
   done = subprocess.run([xpk, *words[1:], '--dry-run', '--output-manifest-file', manifest],
-                        env=dict(os.environ, HOME=str(tmp_path)), capture_output=True, text=True,
-                        timeout=300)
+                        env=dict(os.environ, HOME=str(tmp_path), TMPDIR=str(tmp_path)),
+                        capture_output=True, text=True, timeout=300)
   assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+  assert not list(tmp_path.glob('tmp*')), list(tmp_path.iterdir())  # A report's file
   return yaml.safe_load(manifest.read_text()), words
 
 
