@@ -9,9 +9,11 @@ not pytest's descendants, and are counted only in the cores' total.
 
   python benchmarks/suite_time.py                                     # the suite: ~35 minutes
   python benchmarks/suite_time.py -- tests/test_resnet_mp.py -n 0     # a part of it
+  python benchmarks/suite_time.py --samples run.json   # then --from_samples run.json: again
 """
 
 import collections
+import json
 import os
 import pathlib
 import re
@@ -29,6 +31,9 @@ FLAGS = flags.FLAGS
 flags.DEFINE_integer('calibration_runs', 3, 'Imports of torch_xla timed before the suite (the '
                      'least is kept).', lower_bound=1)
 flags.DEFINE_integer('slowest', 15, 'Tests listed by their time.', lower_bound=0)
+flags.DEFINE_string('samples', None, "Also write what the run took (each process's test, "
+                    'command line and CPU-s; each test\'s seconds) to this JSON file.')
+flags.DEFINE_string('from_samples', None, 'Print the tables of a --samples file; run nothing.')
 
 
 def cpu_seconds(command, env):
@@ -98,18 +103,19 @@ class Processes:
 
 def kind(command, cpu, imports):
   """What a process was, from its command line and CPU time."""
+  words = command.split()
   if 'multiprocessing.spawn' in command:
     return 'a replica or loader worker started by spawn'
   if 'multiprocessing.forkserver' in command:
     return 'a fork server and the loader workers it forked'
-  if 'pytest' in command or 'execnet' in command or 'import sys;exec(eval(' in command:
+  if words[1:3] == ['-m', 'pytest'] or 'import sys;exec(eval(' in command:  # xdist's workers
     return "pytest and its workers (the tests that run in pytest's process)"
-  script = re.search(r'\b(\w+)\.py\b', ' '.join(command.split()[:2]))
-  if command.split()[:1] and 'python' in command.split()[0] and script:
+  script = re.search(r'\b(\w+)\.py\b', ' '.join(words[:2]))
+  if words and 'python' in os.path.basename(words[0]) and script:
     size = ('less than' if cpu < 0.6 * imports else 'about' if cpu < 1.5 * imports else
             'more than')  # About: a bad input said, or a launcher that waits on its replicas.
     return f'{script[1]}.py, {size} an import of torch_xla'
-  return 'other (' + (os.path.basename(command.split()[0]) if command else '?') + ')'
+  return 'other (' + (os.path.basename(words[0]) if words else '?') + ')'
 
 
 def durations(output):
@@ -138,12 +144,13 @@ def table(header, rows):
   print()
 
 
-def main(argv):
+def run_suite(pytest_args):
+  """What a run of pytest took: a dict of plain values (see report)."""
   env = dict(os.environ, PJRT_DEVICE=os.environ.get('PJRT_DEVICE', 'CPU'))
   env.pop('PYTEST_CURRENT_TEST', None)  # Run from a test: the tests' own markers, not its.
   imports = min(cpu_seconds([sys.executable, '-c', 'import torch_xla'], env)
                 for _ in range(FLAGS.calibration_runs))
-  command = [sys.executable, '-m', 'pytest', *(argv[1:] or ['tests']), '--durations=0']
+  command = [sys.executable, '-m', 'pytest', *(pytest_args or ['tests']), '--durations=0']
   print(f'[{time.strftime("%H:%M:%S")}] {" ".join(command[1:])}', file=sys.stderr, flush=True)
   start, machine = time.time(), machine_cpu()
   pytest = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE,
@@ -154,31 +161,40 @@ def main(argv):
     lines.append(line)
   code = pytest.wait()
   processes.stop()
-  wall = time.time() - start
-  busy, idle, steal = (now - then for now, then in zip(machine_cpu(), machine))
-  summary = next((line.strip('= \n') for line in reversed(lines) if line.startswith('=')), '')
-  seconds = durations(''.join(lines))
-  counted = sum(p['cpu'] for p in processes.seen.values())
-  print(f'pytest: {summary} (exit code {code}), {wall / 60:.1f} minutes; the tests\' own times '
-        f'add up to {sum(seconds.values()):,.0f} s\n')
+  busy, idle, steal = ((now - then) / HZ for now, then in zip(machine_cpu(), machine))
+  return dict(
+      summary=next((line.strip('= \n') for line in reversed(lines) if line.startswith('=')), ''),
+      code=code, minutes=(time.time() - start) / 60, busy=busy, idle=idle, steal=steal,
+      cores=os.cpu_count(), imports=imports, calibration_runs=FLAGS.calibration_runs,
+      seconds=durations(''.join(lines)),
+      processes=[(processes.test_of(key), p['command'], p['cpu'])
+                 for key, p in processes.seen.items()])
+
+
+def report(run):
+  imports, seconds = run['imports'], collections.Counter(run['seconds'])
+  print(f"pytest: {run['summary']} (exit code {run['code']}), {run['minutes']:.1f} minutes; the "
+        f"tests' own times add up to {sum(seconds.values()):,.0f} s\n")
   table(['the machine', ''], [
-      ['cores', os.cpu_count()],
-      ['busy (all processes, /proc/stat)', f'{busy / HZ:,.0f} CPU-s, {busy / (busy + idle):.1%}'],
-      ['stolen by the host', f'{steal / HZ:,.0f} s'],
-      ["pytest's processes (counted below)", f'{counted:,.0f} CPU-s'],
-      ['`import torch_xla` (calibration, least of '
-       f'{FLAGS.calibration_runs})', f'{imports:.2f} CPU-s']])
+      ['cores', run['cores']],
+      ['busy (all processes, /proc/stat)',
+       f"{run['busy']:,.0f} CPU-s, {run['busy'] / (run['busy'] + run['idle']):.1%}"],
+      ['stolen by the host', f"{run['steal']:,.0f} s"],
+      ["pytest's processes (counted below)", f"{sum(p[2] for p in run['processes']):,.0f} CPU-s"],
+      [f"`import torch_xla` (calibration, least of {run['calibration_runs']})",
+       f'{imports:.2f} CPU-s']])
   rows = []  # (test, kind, CPU-s, whether it imported torch_xla) of each process
-  for key, process in processes.seen.items():
-    name = kind(process['command'], process['cpu'], imports)
-    rows.append((processes.test_of(key) or '(none: pytest, or an environment made at import)',
-                 name, process['cpu'], process['cpu'] >= 0.6 * imports and 'pytest' not in name))
+  for test, command, cpu in run['processes']:
+    name = kind(command, cpu, imports)
+    rows.append((test or '(none: pytest, or an environment made at import)', name, cpu,
+                 cpu >= 0.6 * imports and not name.startswith('pytest')))
   heavy = sum(row[3] for row in rows)
   table(['kind of process', 'processes', 'CPU-s', 'of them imported torch_xla'],
         totals(rows, lambda row: row[1]))
   print(f'Processes that imported torch_xla: {heavy}, about {heavy * imports:,.0f} CPU-s at '
-        f'{imports:.2f} each, {heavy * imports * HZ / max(busy, 1):.0%} of the cores\' busy time '
-        f'(a process counts if its CPU-s reached {0.6 * imports:.1f}).\n')
+        f"{imports:.2f} each, {heavy * imports / max(run['busy'], 1):.0%} of the cores' busy "
+        f'time (a process counts if its CPU-s reached {0.6 * imports:.1f}; pytest\'s own do '
+        'not).\n')
   files = collections.Counter()
   for test, taken in seconds.items():
     files[test.split('::')[0]] += taken
@@ -189,7 +205,17 @@ def main(argv):
   table(['slowest tests', 'seconds', 'processes', 'CPU-s', 'of them imported torch_xla'],
         [[test, f'{taken:,.1f}', *by_test.get(test, (0, 0, 0))]
          for test, taken in seconds.most_common(FLAGS.slowest)])
-  sys.exit(code)
+
+
+def main(argv):
+  if FLAGS.from_samples:
+    run = json.loads(pathlib.Path(FLAGS.from_samples).read_text())
+  else:
+    run = run_suite(argv[1:])
+    if FLAGS.samples:
+      pathlib.Path(FLAGS.samples).write_text(json.dumps(run))
+  report(run)
+  sys.exit(run['code'])
 
 
 if __name__ == '__main__':

@@ -77,27 +77,33 @@ def test_decoder_benchmark_prints_a_row_for_each_sharding():
   assert rows[0][3] == rows[1][3], rows
 
 
-def test_suite_time_counts_each_tests_processes_by_kind_and_file():
-  # Two tests, one at a time: a bad input to train_resnet_mp.py (its process imports
-  # torch_xla, then says the line) and launch_pod.py on a worker of the tests' sshd.
+def test_suite_time_counts_each_tests_processes_by_kind_and_file(tmp_path):
+  # Two tests, one at a time: a bad input to train_single_core.py (its process imports
+  # torch_xla, then says the line; a path in its command holds 'pytest') and launch_pod.py on a
+  # worker of the tests' sshd. The tables again from the samples it saved: the same.
+  samples = tmp_path / 'run.json'
   result = subprocess.run([sys.executable, 'benchmarks/suite_time.py', '--calibration_runs', '1',
-                           '--slowest', '2', '--',
-                           'tests/test_resnet_mp.py::test_bad_input_is_one_clear_line_and_exit_2'
-                           '[missing datadir]', 'tests/test_launch_pod.py::test_a_missing_workdir_'
+                           '--slowest', '2', '--samples', samples, '--',
+                           'tests/test_single_core.py::test_bad_input_is_one_clear_line_and_exit_2'
+                           '[unwritable logdir]', 'tests/test_launch_pod.py::test_a_missing_workdir_'
                            'names_the_worker_and_the_folder', '-n', '0'], cwd=REPO,
                           env=script_env(), capture_output=True, text=True, timeout=300)
   out = result.stdout
   assert result.returncode == 0, out + result.stderr[-3000:]
+  again = subprocess.run([sys.executable, 'benchmarks/suite_time.py', '--slowest', '2',
+                          '--from_samples', samples], cwd=REPO, capture_output=True, text=True,
+                         timeout=60)
+  assert again.returncode == 0 and again.stdout == out, again.stdout + again.stderr
   assert re.search(r'^pytest: 2 passed in ', out, re.M), out
   imports = float(re.search(r'^\| `import torch_xla` \(calibration, least of 1\) \| ([\d.]+) '
                             r'CPU-s \|$', out, re.M)[1])
   assert imports > 1, out  # torch and torch_xla: seconds, on any machine.
   # The training script's one process imported torch_xla: counted so, in its test and file.
-  assert re.search(r'^\| train_resnet_mp\.py, (about|more than) an import of torch_xla \| 1 \| '
+  assert re.search(r'^\| train_single_core\.py, (about|more than) an import of torch_xla \| 1 \| '
                    r'\d+ \| 1 \|$', out, re.M), out
-  assert re.search(r'^\| tests/test_resnet_mp\.py \| [\d.]+ \| 1 \| \d+ \| 1 \|$', out, re.M), out
-  assert re.search(r'^\| tests/test_resnet_mp\.py::test_bad_input_is_one_clear_line_and_exit_2'
-                   r'\[missing datadir\] \| [\d.]+ \| 1 \| \d+ \| 1 \|$', out, re.M), out
+  assert re.search(r'^\| tests/test_single_core\.py \| [\d.]+ \| \d+ \| \d+ \| 1 \|$', out, re.M), out
+  assert re.search(r'^\| tests/test_single_core\.py::test_bad_input_is_one_clear_line_and_exit_2'
+                   r'\[unwritable logdir\] \| [\d.]+ \| \d+ \| \d+ \| 1 \|$', out, re.M), out
   # The other test's processes end within a second: not asserted (a sample may miss them).
   assert re.search(r'^\| tests/test_launch_pod\.py::test_a_missing_workdir_names_the_worker_and_'
                    r'the_folder \| [\d.]+ \| \d+ \| \d+ \| 0 \|$', out, re.M), out
