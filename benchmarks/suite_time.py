@@ -2,10 +2,10 @@
 """Where the test suite's time goes. Runs pytest (the README's command, or the tests given after
 --) while it reads every 0.25 s the CPU time of each process that pytest starts (/proc), then
 prints: the wall time and how busy the cores were; what one process pays to import torch_xla
-on this machine today (the calibration: the suite's times vary by a fifth from day to day on
-one machine, its CPU seconds per import with them); the CPU seconds by kind of process, by
-test file and for the slowest tests. Processes that sshd starts (the pod tests' workers) are
-not pytest's descendants, and are counted only in the cores' total.
+on this machine that day (the calibration: a machine's pace changed by 14% overnight, and the
+suite's time with it); the CPU seconds by kind of process, by test file and for the slowest
+tests. The pod tests' workers, started by their sshd, are counted apart (no test can be told
+from them); a process that ends within 0.25 s may be missed.
 
   python benchmarks/suite_time.py                                     # the suite: ~35 minutes
   python benchmarks/suite_time.py -- tests/test_resnet_mp.py -n 0     # a part of it
